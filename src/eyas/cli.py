@@ -1,0 +1,144 @@
+"""The ``eyas`` command: one sub-command per stage, plus ``run`` for the whole pipeline.
+
+Every command takes a CONFIG (a YAML path, or ``demo`` for the embedded demo) and ``key.sub=value`` overrides
+after it, e.g. ``eyas train demo train.lr=3e-4 train.epochs=2``. Outputs go to the config's ``run_dir``; a stage
+that already finished with the same configuration is skipped, partial work is resumed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import load_config
+from .errors import EyasError
+from .stages import STAGES, RunContext, init_run_dir, run_stage, stage_seconds
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help=(
+        "Eyas trains EAGLE-3 speculative-decoding drafters: prompts + a target model -> a drafter SGLang and vLLM "
+        "serve, with its acceptance length measured.\n\n"
+        "Pipeline: prepare -> generate -> tokenize -> vocab -> extract -> train -> export -> evaluate.\n\n"
+        "Start with `eyas run demo` (SmolLM2-135M-Instruct on the shipped prompts), then copy the demo config "
+        "(`eyas show-config demo > my.yaml`) and point it at your target and data."
+    ),
+)
+console = Console(stderr=True)
+
+CONFIG_HELP = "Run config: a YAML file, or 'demo' for the embedded demo."
+OVERRIDES_HELP = "Overrides of single fields, as key.sub=value (value parsed as YAML)."
+
+
+def _ctx(config: str, overrides: list[str] | None, force: bool) -> RunContext:
+    cfg = load_config(config, overrides)
+    ctx = RunContext(cfg=cfg, force=force, log=lambda m: console.print(m, markup=False, highlight=False))
+    init_run_dir(ctx, sys.argv)
+    return ctx
+
+
+def _fail(e: Exception) -> None:
+    console.print(f"[bold red]error:[/] {e}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def _stage_command(stage: str):
+    def command(
+        config: str = typer.Argument(..., help=CONFIG_HELP),
+        overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+        force: bool = typer.Option(False, "--force", help=f"Redo '{stage}' (and clear every later stage)."),
+    ) -> None:
+        try:
+            ctx = _ctx(config, overrides, force)
+            ctx.extra["force_stages"] = {stage}
+            summary = run_stage(ctx, stage)
+            console.print_json(data=summary)
+        except EyasError as e:
+            _fail(e)
+
+    command.__doc__ = f"Run only the '{stage}' stage (earlier stages must have finished)."
+    return command
+
+
+for _s in STAGES:
+    app.command(name=_s, help=(__import__(f"eyas.stages.{_s}", fromlist=["_"]).__doc__ or "").split("\n")[0])(
+        _stage_command(_s))
+
+
+@app.command()
+def run(
+    config: str = typer.Argument(..., help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    force: bool = typer.Option(False, "--force", help="Redo stages whose configuration changed (clears them)."),
+) -> None:
+    """Run every stage in order (finished stages are skipped) and print a summary table."""
+    try:
+        ctx = _ctx(config, overrides, force)
+        summaries = {s: run_stage(ctx, s) for s in STAGES}
+        print_summary(ctx, summaries)
+    except EyasError as e:
+        _fail(e)
+
+
+@app.command("show-config")
+def show_config(
+    config: str = typer.Argument("demo", help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+) -> None:
+    """Print the fully resolved configuration (every field with its value) as YAML."""
+    import yaml
+
+    try:
+        cfg = load_config(config, overrides)
+    except EyasError as e:
+        _fail(e)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+
+
+def print_summary(ctx: RunContext, s: dict) -> None:
+    """The end-of-run table: data, training, acceptance, and where the drafter is."""
+    out = Console()
+    t = Table(title=f"Eyas run summary: {ctx.run_dir}", show_header=True, header_style="bold")
+    t.add_column("what")
+    t.add_column("value", overflow="fold")
+    t.add_column("stage time", justify="right")
+
+    def secs(stage: str) -> str:
+        v = stage_seconds(ctx, stage)
+        return f"{v:.0f} s" if v is not None else ""
+
+    tok, tr, ev = s["tokenize"], s["train"], s["evaluate"]
+    t.add_row("samples (prepared / tokenized)", f"{s['prepare']['samples']} / {tok['samples']}", secs("prepare"))
+    t.add_row("generated replies", f"{s['generate']['samples']} conversations", secs("generate"))
+    t.add_row("tokens (all / assistant)", f"{tok['tokens']} / {tok['assistant_tokens']}", secs("tokenize"))
+    t.add_row("draft vocabulary", f"{s['vocab']['draft_vocab_size']} ids, covers "
+              f"{100 * s['vocab']['assistant_token_coverage']:.1f}% of assistant tokens", secs("vocab"))
+    ex = s["extract"]
+    t.add_row("hidden states", f"{ex['tokens']} tokens, layers {ex['layer_ids']} ({ex['layer_convention']}), "
+              f"{ex['bytes_per_token']:.0f} bytes/token", secs("extract"))
+    k = ctx.cfg.train.ttt_steps
+    t.add_row("training loss (first -> last)", f"{tr.get('first_loss', float('nan')):.3f} -> {tr['loss']:.3f} "
+              f"({tr['steps']} steps)", secs("train"))
+    t.add_row("TTT accuracy per step", " ".join(f"{tr.get(f'acc_{i}', 0):.2f}" for i in range(k)), "")
+    t.add_row("acceptance length", f"{ev['acceptance_length']:.3f} (chain, k={ev['num_draft_tokens']}, "
+              f"{ev['prompts']} held-out prompts, greedy)", secs("evaluate"))
+    t.add_row("acceptance rate per position", " ".join(f"{a:.2f}" for a in ev["acceptance_rate_per_position"]), "")
+    lossless = ("not checked" if not ev["lossless_checked"] else
+                "PASS (token-for-token equal to the target's greedy output)" if ev["lossless_mismatches"] == 0
+                else f"FAIL ({ev['lossless_mismatches']} prompts differ)")
+    t.add_row("lossless check", lossless, "")
+    t.add_row("exported drafter (SGLang)", s["export"]["folders"].get("sglang", "-"), secs("export"))
+    out.print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Typed, strict configuration: one section per stage, loaded from YAML with ``key.sub=value`` overrides.
+
+Unknown keys are rejected and every problem is reported at once with its field path (pydantic). A stage receives
+only its own section. Paths are resolved against the current directory; ``pkg:eyas/demo/x.jsonl`` names a file
+shipped inside an installed Python package (used by the embedded demo).
+
+Layer ids in this file always use the "output of layer X" convention (0-based decoder layer whose output is
+captured; SGLang's ``eagle_aux_hidden_state_layer_ids``, SpecForge). Export converts explicitly per engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+DEMO_CONFIG = "pkg:eyas/demo/demo.yaml"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The target model whose decoding the drafter accelerates."""
+
+    model: str = Field(description="HF folder, a .gguf file, 'pkg:<package>/<file>.gguf', or a llama2.c .bin")
+    tokenizer: str | None = Field(None, description="llama2.c only: the tokenizer .bin (e.g. tok512.bin)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the target runs in (bf16 on GPU, fp32 on CPU for exact greedy checks)"
+    )
+    device: str = Field("auto", description="'auto' (cuda when available, else cpu), 'cpu', 'cuda', 'cuda:1'")
+    trust_remote_code: bool = Field(False, description="only when you trust the model repository's code")
+    cache_dir: str | None = Field(None, description="where converted targets are cached (default ~/.cache/eyas)")
+
+
+class SourceConfig(Section):
+    """One input file of conversations or prompts."""
+
+    path: str
+    format: Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat"] = "auto"
+    max_rows: int | None = Field(None, ge=1, description="read at most this many rows of the file")
+
+
+class PrepareConfig(Section):
+    """prepare: load and normalise conversations."""
+
+    sources: list[SourceConfig] = Field(min_length=1)
+    max_samples: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
+
+
+class GenerateConfig(Section):
+    """generate: the target regenerates every assistant turn (responses the drafter will see when serving)."""
+
+    enabled: bool = Field(True, description="false keeps the dataset's own assistant turns")
+    backend: Literal["transformers"] = "transformers"
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    batch_size: int = Field(16, ge=1, description="prompts generated together")
+    seed: int = 0
+
+
+class TokenizeConfig(Section):
+    """tokenize: the target's own chat template, loss mask on assistant tokens."""
+
+    max_length: int = Field(2048, ge=8, description="longer samples are truncated (counted in the report)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class VocabConfig(Section):
+    """vocab: the draft vocabulary (most frequent assistant tokens) and its d2t/t2d maps."""
+
+    draft_vocab_size: int = Field(32000, ge=2)
+
+
+class ExtractConfig(Section):
+    """extract: target hidden states at the aux layers plus the post-norm last hidden state."""
+
+    layer_ids: list[int] | None = Field(
+        None, description="0-based 'output of layer' ids; default [1, N//2-1, N-4] (FIELD_NOTES)"
+    )
+    batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward pass")
+    shard_bytes: int = Field(256 << 20, ge=1, description="target size of one safetensors shard")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype")
+
+
+class DraftConfig(Section):
+    """Shape of the draft model; unset fields are taken from the target."""
+
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+
+
+class TrainConfig(Section):
+    """train: the EAGLE-3 draft with training-time test (TTT)."""
+
+    ttt_steps: int = Field(7, ge=1, description="TTT unroll length K (7 in EAGLE-3/SpecForge)")
+    ttt_decay: float = Field(0.8, gt=0.0, description="step i of TTT is weighted ttt_decay**i")
+    epochs: float = Field(1.0, gt=0.0)
+    lr: float = Field(1e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.02, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine decays to lr * min_lr_ratio")
+    grad_clip: float = Field(0.5, gt=0.0)
+    batch_size: int = Field(1, ge=1, description="sequences per micro-batch (padded to the longest)")
+    grad_accum: int = Field(1, ge=1)
+    max_length: int = Field(2048, ge=8, description="longer samples are cut to this many tokens")
+    seed: int = 0
+    checkpoint_every: int = Field(200, ge=1, description="optimizer steps between checkpoints")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
+    log_every: int = Field(10, ge=1)
+    device: str = "auto"
+    autocast: Literal["none", "bfloat16"] = Field("none", description="bf16 autocast (GPU)")
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+
+
+class ExportConfig(Section):
+    """export: folders that engines load as they are."""
+
+    formats: list[Literal["sglang"]] = Field(default_factory=lambda: ["sglang"])
+
+
+class EvaluateConfig(Section):
+    """evaluate: acceptance length with the reference speculative decoder (greedy, chain)."""
+
+    prompts: list[SourceConfig] = Field(default_factory=list)
+    num_draft_tokens: int = Field(3, ge=1, description="draft tokens proposed per target forward pass (chain)")
+    max_new_tokens: int = Field(128, ge=1)
+    max_prompts: int | None = Field(None, ge=1)
+    check_lossless: bool = Field(True, description="compare with the target's own greedy output")
+
+
+class RunConfig(Section):
+    """A whole Eyas run: the target, the run directory and one section per stage."""
+
+    run_dir: str = Field("runs/default", description="all stage outputs go here")
+    target: TargetConfig
+    prepare: PrepareConfig
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("run_dir must not be empty")
+        return v
+
+
+def resolve_path(spec: str) -> Path:
+    """Resolve a path from a config: ``pkg:<package>/<rel>`` inside an installed package, else a normal path.
+
+    Raises :class:`ConfigError` when the package is not installed.
+    """
+    if spec.startswith("pkg:"):
+        pkg, _, rel = spec[4:].partition("/")
+        found = importlib.util.find_spec(pkg)
+        if found is None or not found.submodule_search_locations:
+            raise ConfigError(f"{spec}: Python package '{pkg}' is not installed")
+        return Path(list(found.submodule_search_locations)[0]) / rel
+    return Path(spec).expanduser()
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def load_config(spec: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a run config from YAML (a path, ``pkg:...`` or the name ``demo``) and apply ``key.sub=value`` overrides.
+
+    Override values are parsed as YAML (``train.lr=3e-4``, ``export.formats=[sglang]``).
+    Raises :class:`ConfigError` listing every invalid field with its dotted path.
+    """
+    spec = str(spec)
+    if spec == "demo":
+        spec = DEMO_CONFIG
+    path = resolve_path(spec)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override '{item}': expected key.sub=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{path}: {e.error_count()} invalid setting(s):"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None

@@ -1,0 +1,1 @@
+"""Dataset formats (loaders that normalise conversations) and chat-template rendering with loss masks."""

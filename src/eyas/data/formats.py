@@ -1,0 +1,268 @@
+"""Read conversation datasets in the common formats and normalise them into :class:`~eyas.records.Conversation`.
+
+Formats (``SourceConfig.format``; ``auto`` detects per row from its fields):
+- ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``
+- ``openai``:   ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
+- ``ultrachat``: ``{"messages": [...]}`` as openai, or ``{"data": [user, assistant, user, ...]}``
+- ``alpaca``:   ``{"instruction": str, "input": str, "output": str}`` (input appended to the instruction)
+- ``gsm8k``:    ``{"question": str, "answer": str}``
+- ``mt_bench``: ``{"turns": [str, ...]}`` (user turns only; replies come from generate)
+- ``prompts``:  ``{"prompt": str}`` / ``{"text": str}`` rows, or a bare JSON string per row
+
+Files: ``.json`` (a list of rows), ``.jsonl``, ``.parquet``. Rows are located as ``file:line`` (JSONL) or
+``file:row N`` (JSON list, parquet) in every error and skip record.
+
+Normalisation rules (each counted in the prepare report):
+- roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system -> system; anything else
+  skips the row ("unknown role");
+- empty or whitespace-only turns are dropped;
+- leading assistant turns (a conversation that starts with the assistant) are dropped;
+- a system turn is kept when it comes first; later system turns are dropped;
+- consecutive turns of the same role are merged, joined by a blank line;
+- a row with no user turn left is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import SourceConfig, resolve_path
+from ..errors import DataError
+from ..records import Conversation, Message, SkipCounter, SkipRecord
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant", "model": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class RawRow:
+    where: str  # "file:line" or "file:row N"
+    data: object
+
+
+def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:
+    """Yield raw rows of a JSON, JSONL or parquet file; a malformed JSONL line yields a skip record instead.
+
+    Raises :class:`DataError` for a missing file, an unknown extension, or a JSON/parquet file that cannot be
+    parsed as a whole.
+    """
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    suffix = path.suffix.lower()
+    n = 0
+    if suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if max_rows is not None and n >= max_rows:
+                    return
+                where = f"{path}:{lineno}"
+                if not raw.strip():
+                    continue
+                n += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield None, SkipRecord(where, f"invalid UTF-8 at byte {e.start}")
+                    continue
+                try:
+                    yield RawRow(where, json.loads(line)), None
+                except json.JSONDecodeError as e:
+                    yield None, SkipRecord(where, f"malformed JSON ({e.msg})")
+    elif suffix == ".json":
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json dataset must be a list of rows (got {type(data).__name__})")
+        for i, row in enumerate(data[:max_rows] if max_rows else data, 1):
+            yield RawRow(f"{path}:row {i}", row), None
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        table = pq.read_table(path)
+        for i, row in enumerate(table.to_pylist()[:max_rows] if max_rows else table.to_pylist(), 1):
+            yield RawRow(f"{path}:row {i}", row), None
+    else:
+        raise DataError(f"{path}: unknown file type '{suffix}' (expected .json, .jsonl or .parquet)")
+
+
+def detect_format(row: object) -> str | None:
+    """Guess a row's format from its fields; None when nothing matches."""
+    if isinstance(row, str):
+        return "prompts"
+    if not isinstance(row, dict):
+        return None
+    if "conversations" in row:
+        return "sharegpt"
+    if "messages" in row:
+        return "openai"
+    if "data" in row and isinstance(row.get("data"), list):
+        return "ultrachat"
+    if "instruction" in row:
+        return "alpaca"
+    if "question" in row and "answer" in row:
+        return "gsm8k"
+    if "turns" in row:
+        return "mt_bench"
+    if "prompt" in row or "text" in row:
+        return "prompts"
+    return None
+
+
+class RowError(Exception):
+    """A row-level problem: becomes a counted skip with its field."""
+
+    def __init__(self, reason: str, field: str = ""):
+        super().__init__(reason)
+        self.reason, self.field = reason, field
+
+
+def _str_field(row: dict, key: str, required: bool = True) -> str:
+    if key not in row or row[key] is None:
+        if required:
+            raise RowError(f"missing field '{key}'", key)
+        return ""
+    v = row[key]
+    if not isinstance(v, str):
+        raise RowError(f"field '{key}' is {type(v).__name__}, expected a string", key)
+    return v
+
+
+def _turn_list(row: dict, key: str, role_key: str, text_key: str) -> list[tuple[str, str]]:
+    turns = row.get(key)
+    if not isinstance(turns, list):
+        raise RowError(f"field '{key}' is {'missing' if turns is None else type(turns).__name__}, expected a list", key)
+    out = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise RowError(f"{key}[{j}] is {type(t).__name__}, expected an object", f"{key}[{j}]")
+        role = t.get(role_key)
+        text = t.get(text_key)
+        if not isinstance(role, str):
+            raise RowError(f"{key}[{j}].{role_key} missing or not a string", f"{key}[{j}].{role_key}")
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise RowError(f"{key}[{j}].{text_key} is {type(text).__name__}, expected a string", f"{key}[{j}].{text_key}")
+        norm = ROLE_MAP.get(role.strip().lower())
+        if norm is None:
+            raise RowError(f"unknown role '{role}'", f"{key}[{j}].{role_key}")
+        out.append((norm, text))
+    return out
+
+
+def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
+    """Convert one raw row of format ``fmt`` into a list of ``(role, text)`` turns (roles already normalised)."""
+    if fmt == "prompts":
+        if isinstance(row, str):
+            return [("user", row)]
+        if not isinstance(row, dict):
+            raise RowError(f"row is {type(row).__name__}, expected an object or a string")
+        key = "prompt" if "prompt" in row else "text"
+        return [("user", _str_field(row, key))]
+    if not isinstance(row, dict):
+        raise RowError(f"row is {type(row).__name__}, expected an object")
+    if fmt == "sharegpt":
+        return _turn_list(row, "conversations", "from", "value")
+    if fmt == "openai":
+        return _turn_list(row, "messages", "role", "content")
+    if fmt == "ultrachat":
+        if "messages" in row:
+            return _turn_list(row, "messages", "role", "content")
+        data = row.get("data")
+        if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+            raise RowError("field 'data' must be a list of strings", "data")
+        return [("user" if j % 2 == 0 else "assistant", x) for j, x in enumerate(data)]
+    if fmt == "alpaca":
+        instr = _str_field(row, "instruction")
+        inp = _str_field(row, "input", required=False)
+        out = _str_field(row, "output", required=False)
+        turns = [("user", f"{instr}\n\n{inp}" if inp.strip() else instr)]
+        if out:
+            turns.append(("assistant", out))
+        return turns
+    if fmt == "gsm8k":
+        return [("user", _str_field(row, "question")), ("assistant", _str_field(row, "answer"))]
+    if fmt == "mt_bench":
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not all(isinstance(x, str) for x in turns):
+            raise RowError("field 'turns' must be a list of strings", "turns")
+        # MT-bench rows hold user turns only; a placeholder-free conversation: the assistant replies come from generate.
+        return [("user", t) for t in turns]
+    raise RowError(f"unknown format '{fmt}'")
+
+
+def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter) -> list[Message]:
+    """Apply the documented normalisation rules; every dropped or merged turn is counted in ``skips``.
+
+    MT-bench style rows with several user turns and no assistant turn keep the user turns separate: they are later
+    regenerated turn by turn. In every other case consecutive same-role turns are merged.
+    """
+    msgs: list[Message] = []
+    only_users = all(r == "user" for r, _ in turns)
+    for j, (role, text) in enumerate(turns):
+        if not text.strip():
+            skips.add(SkipRecord(where, "empty turn dropped", f"turn {j}"))
+            continue
+        if role == "system":
+            if msgs:
+                skips.add(SkipRecord(where, "system turn after the first turn dropped", f"turn {j}"))
+                continue
+            msgs.append(Message("system", text))
+            continue
+        if role == "assistant" and not any(m.role == "user" for m in msgs):
+            skips.add(SkipRecord(where, "leading assistant turn dropped", f"turn {j}"))
+            continue
+        if msgs and msgs[-1].role == role and not (only_users and role == "user"):
+            skips.add(SkipRecord(where, f"consecutive {role} turns merged", f"turn {j}"))
+            msgs[-1] = Message(role, msgs[-1].content + "\n\n" + text)
+            continue
+        msgs.append(Message(role, text))
+    return msgs
+
+
+def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[Conversation]:
+    """Yield normalised conversations of one source; rows that cannot be used are counted in ``skips``.
+
+    ``stats`` receives ``rows_read``, ``rows_kept`` and ``rows_skipped`` for this source.
+    """
+    path = resolve_path(src.path)
+    stats.update(rows_read=0, rows_kept=0, rows_skipped=0, turns=0)
+    for raw, bad in read_rows(path, src.max_rows):
+        stats["rows_read"] += 1
+        if bad is not None:
+            skips.add(bad)
+            stats["rows_skipped"] += 1
+            continue
+        fmt = src.format if src.format != "auto" else detect_format(raw.data)
+        try:
+            if fmt is None:
+                keys = sorted(raw.data) if isinstance(raw.data, dict) else type(raw.data).__name__
+                raise RowError(f"cannot tell the format from the row's fields ({keys}); set format in the source")
+            turns = row_to_turns(raw.data, fmt)
+        except RowError as e:
+            skips.add(SkipRecord(raw.where, e.reason, e.field))
+            stats["rows_skipped"] += 1
+            continue
+        msgs = normalise_turns(turns, raw.where, skips)
+        if not any(m.role == "user" for m in msgs):
+            skips.add(SkipRecord(raw.where, "no user turn"))
+            stats["rows_skipped"] += 1
+            continue
+        stats["rows_kept"] += 1
+        stats["turns"] += len(msgs)
+        yield Conversation(id=Conversation.make_id(msgs), messages=msgs, source=raw.where)

@@ -1,0 +1,1 @@
+"""Evaluation: the reference speculative decoder (acceptance length, lossless check)."""

@@ -1,0 +1,1 @@
+"""Export: engine folders built from one key table per engine, checked before they are written."""

