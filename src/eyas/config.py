@@ -44,9 +44,12 @@ class TargetConfig(Section):
 class SourceConfig(Section):
     """One input file of conversations or prompts."""
 
-    path: str
+    path: str = Field(description="a .json/.jsonl/.parquet file, a local `datasets` folder or data files "
+                                   "(loaded with the `datasets` library), or 'hub:<name>' for a Hugging Face Hub dataset")
     format: Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat"] = "auto"
     max_rows: int | None = Field(None, ge=1, description="read at most this many rows of the file")
+    split: str = Field("train", description="`datasets` sources only: the split to read")
+    subset: str | None = Field(None, description="`datasets` sources only: the configuration (subset) name")
 
 
 class PrepareConfig(Section):
@@ -56,16 +59,34 @@ class PrepareConfig(Section):
     max_samples: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
 
 
+class OpenAIServerConfig(Section):
+    """generate.backend 'openai': an OpenAI-compatible chat server that serves the target (vLLM, SGLang)."""
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's OpenAI API root")
+    model: str | None = Field(None, description="served model name; default: the server's only model (/v1/models)")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key (optional)")
+    concurrency: int = Field(16, ge=1, description="conversations in flight at once")
+    timeout_s: float = Field(600.0, gt=0, description="time-out of one request, seconds")
+    max_retries: int = Field(5, ge=0, description="retries of a failed request (connection, 408/409/429/5xx), "
+                             "with exponential back-off")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="extra request fields (e.g. top_k)")
+
+
 class GenerateConfig(Section):
     """generate: the target regenerates every assistant turn (responses the drafter will see when serving)."""
 
     enabled: bool = Field(True, description="false keeps the dataset's own assistant turns")
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["transformers", "openai"] = Field(
+        "transformers", description="'transformers' generates in-process; 'openai' asks an OpenAI-compatible server "
+        "(vLLM, SGLang) that serves the target"
+    )
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1, description="prompts generated together")
     seed: int = 0
+    openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig,
+                                       description="backend 'openai' only: the server and how to talk to it")
 
 
 class TokenizeConfig(Section):

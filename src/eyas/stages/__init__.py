@@ -42,13 +42,23 @@ _DEPENDS = {
     "evaluate": ["prepare", "generate", "target", "tokenize", "vocab", "extract", "train", "export", "evaluate"],
 }
 # Fields that do not change a stage's output (where it runs, how often it logs) are left out of fingerprints.
-_NEUTRAL = {"target": {"device", "cache_dir"}, "train": {"device", "log_every"}}
+# Dotted names reach into nested sections (the server address and how hard to push it do not change replies).
+_NEUTRAL = {
+    "target": {"device", "cache_dir"}, "train": {"device", "log_every"},
+    "generate": {"openai.base_url", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
+                 "openai.max_retries"},
+}
 
 
 def section_fingerprint(cfg: RunConfig, section: str) -> dict:
     d = getattr(cfg, section).model_dump(mode="json")
     for k in _NEUTRAL.get(section, ()):
-        d.pop(k, None)
+        *parents, leaf = k.split(".")
+        node = d
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     return d
 
 
