@@ -223,6 +223,8 @@ FAMILIES = {
     "gpt-oss-20b": dict(special=["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>",
                                  "<|endoftext|>"], eos="<|return|>", eot="<|return|>"),
     "smollm2-135m-instruct": dict(special=[], eot="<|im_end|>"),
+    "gemma-3-270m-it": dict(special=["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>",
+                            eos="<end_of_turn>", eot="<end_of_turn>"),
 }
 
 # (fixture, chat_template_kwargs) cases; Qwen3 in both modes.
@@ -235,6 +237,7 @@ CASES = [
     ("kimi-k2-instruct", None),
     ("gpt-oss-20b", None),
     ("smollm2-135m-instruct", None),
+    ("gemma-3-270m-it", None),
 ]
 CASE_IDS = [n if not kw else f"{n}-nothink" for n, kw in CASES]
 
@@ -307,6 +310,9 @@ EXPECTED_TWO_TURNS = {
                      "<|channel|>analysis<|message|>Spain's capital is Madrid.<|end|><|start|>assistant"
                      "<|channel|>final<|message|>Madrid.<|return|>"], ["search", "prefix"]),
     "smollm2-135m-instruct": (["Paris is the capital.<|im_end|>", "Madrid.<|im_end|>"], ["prefix", "prefix"]),
+    # Gemma 3: header <start_of_turn>model\n; the system text is folded into the first user turn; turns end with
+    # <end_of_turn> (the "\n" after it is not trained).
+    "gemma-3-270m-it": (["Paris is the capital.<end_of_turn>", "Madrid.<end_of_turn>"], ["prefix", "prefix"]),
 }
 
 
@@ -394,6 +400,7 @@ EXPECTED_LEADING = {
     "gpt-oss-20b": ["<|channel|>final<|message|>\n\nHello there.<|end|>",
                     "<|channel|>final<|message|> Sure thing.<|return|>"],
     "smollm2-135m-instruct": ["\n\n\nHello there.<|im_end|>", " Sure thing.<|im_end|>"],
+    "gemma-3-270m-it": ["Hello there.<end_of_turn>", "Sure thing.<end_of_turn>"],  # content is trimmed
 }
 
 # Empty assistant turns: only what the model emits (end-of-turn, plus gpt-oss channel tokens / Qwen3's empty think).
@@ -412,6 +419,7 @@ EXPECTED_EMPTY = {
     "kimi-k2-instruct": ["<|im_end|>", "<|im_end|>"],
     "gpt-oss-20b": ["<|channel|>final<|message|><|end|>", "<|channel|>final<|message|><|return|>"],
     "smollm2-135m-instruct": ["<|im_end|>", "<|im_end|>"],
+    "gemma-3-270m-it": ["<end_of_turn>", "<end_of_turn>"],
 }
 
 INTL = [
@@ -430,6 +438,7 @@ EXPECTED_INTL = {
     "kimi-k2-instruct": [f"{_A}<|im_end|>", f"{_B}<|im_end|>"],
     "gpt-oss-20b": [f"<|channel|>final<|message|>{_A}<|end|>", f"<|channel|>final<|message|>{_B}<|return|>"],
     "smollm2-135m-instruct": [f"{_A}<|im_end|>", f"{_B}<|im_end|>"],
+    "gemma-3-270m-it": [f"{_A}<end_of_turn>", f"{_B}<end_of_turn>"],
 }
 
 
@@ -492,3 +501,13 @@ def test_search_fallback_not_fooled_by_header_or_echo(family_tok):
     assert [s.method for s in locate_assistant_spans(t, msgs)[1]] == ["search", "search", "prefix"]
     assert trained_runs(t, r) == ["assistant<|im_end|>", "ok<|im_end|>", "<think>\n\n</think>\n\nBye<|im_end|>"]
     assert "Echo." not in r.text  # earlier reasoning dropped by the template
+
+
+def test_gemma3_system_folded_into_first_user_turn(family_tok):
+    # Gemma 3 has no system role: the system text opens the first user turn; the assistant role is "model".
+    t = family_tok("gemma-3-270m-it")
+    r = render_conversation(t, CONVERSATION)
+    assert r.text.startswith("<bos><start_of_turn>user\nYou are terse.\n\nWhat is the capital of France?<end_of_turn>\n"
+                             "<start_of_turn>model\nParis is the capital.<end_of_turn>\n")
+    assert render_prompt(t, CONVERSATION[:4]).endswith("And of Spain?<end_of_turn>\n<start_of_turn>model\n")
+    assert R1 not in r.text and R2 not in r.text  # no reasoning rendering
