@@ -5,6 +5,12 @@ turn by turn for multi-turn conversations (turn i is generated with the regenera
 finished conversation is appended to ``generate/conversations.jsonl`` and fsynced as soon as its batch completes;
 a re-run skips ids already there, so an interrupted run resumes where it stopped.
 
+``generate.backend: openai`` sends the same turn-by-turn requests to an OpenAI-compatible server that serves the
+target (vLLM, SGLang; :mod:`eyas.generation.openai_chat`): bounded concurrency, retries with back-off, time-outs,
+reasoning text kept. Each conversation is appended and fsynced as soon as its last turn returns, in completion
+order, so an interrupted run (kill, server gone) resumes from the ids already written, without duplicates.
+Conversations the server refuses (too long for its context) are counted in ``generate/report.json``.
+
 With ``generate.enabled: false`` the dataset's own assistant turns are kept (conversations without one are
 skipped and counted).
 """
@@ -15,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.chat import render_prompt
-from ..io import JsonlAppender, iter_jsonl, write_json_atomic
+from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
 from ..records import Conversation, Message, SkipCounter, SkipRecord
 from ..targets.load import load_target
 from . import RunContext
@@ -80,13 +86,17 @@ def run(ctx: RunContext) -> dict:
         write_json_atomic(out_dir / "report.json", {"samples": kept, "skips": skips.to_json()})
         return {"samples": kept, "regenerated": False, "skipped": skips.total}
 
+    if out_path.exists():
+        repair_jsonl_tail(out_path)  # a crash mid-write leaves at most one torn line: drop it, redo that sample
     done_ids = {d["id"] for _, d in iter_jsonl(out_path)} if out_path.exists() else set()
     todo = [c for c in convs if c.id not in done_ids]
     if done_ids:
         ctx.log(f"[eyas] generate: resuming, {len(done_ids)} of {len(convs)} conversations already generated")
+    kwargs = ctx.cfg.tokenize.chat_template_kwargs
+    if cfg.backend == "openai":
+        return _run_openai(ctx, out_path, convs, todo, len(done_ids))
     target = load_target(ctx.cfg.target)
     tok = target.tokenizer
-    kwargs = ctx.cfg.tokenize.chat_template_kwargs
     # Longest prompts first: the largest batches run while memory is fresh, and padding stays small.
     todo.sort(key=lambda c: -sum(len(m.content) for m in c.messages))
     finish_counts = {"stop": 0, "length": 0}
@@ -139,3 +149,43 @@ def run(ctx: RunContext) -> dict:
     report = {"samples": total, "finish_reasons_this_run": finish_counts, "resumed_from": len(done_ids)}
     write_json_atomic(out_dir / "report.json", report)
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"]}
+
+
+def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list[Conversation], resumed: int) -> dict:
+    """Backend 'openai': regenerate ``todo`` through the server, appending each conversation as it finishes."""
+    import asyncio
+
+    from ..generation.openai_chat import generate_conversations
+
+    cfg = ctx.cfg.generate
+    skips = SkipCounter()
+    finish_counts = {"stop": 0, "length": 0}
+    written = 0
+    bar = tqdm(total=len(convs), initial=resumed, desc="generate", unit="conv", dynamic_ncols=True)
+    with JsonlAppender(out_path) as w:
+
+        def on_result(res) -> None:
+            nonlocal written
+            for s in res.skips:
+                skips.add(s)
+            for f in res.finish_reasons:
+                finish_counts[f] += 1
+            if res.conversation is not None:
+                w.append(res.conversation.to_json())  # fsynced: finished work survives a kill
+                written += 1
+            bar.update(1)
+
+        try:
+            model = asyncio.run(generate_conversations(cfg, todo, on_result, ctx.cfg.tokenize.chat_template_kwargs))
+        finally:
+            bar.close()
+    total = resumed + written
+    report = {
+        "samples": total, "backend": "openai", "server": cfg.openai.base_url, "served_model": model,
+        "finish_reasons_this_run": finish_counts, "resumed_from": resumed, "skips": skips.to_json(),
+    }
+    write_json_atomic(ctx.stage_dir("generate") / "report.json", report)
+    if skips.total:
+        ctx.log(f"[eyas] generate: {skips.total} conversations refused or cut by the server; reasons in "
+                f"{ctx.stage_dir('generate') / 'report.json'}")
+    return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"], "skipped": skips.total}

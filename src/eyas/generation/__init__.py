@@ -1,0 +1,1 @@
+"""Generation backends that talk to serving engines (the in-process transformers backend is in stages/generate.py)."""
