@@ -38,7 +38,8 @@ from ..errors import EyasError
 from ..io import stable_hash
 from ..records import Conversation, Message, SkipRecord
 
-__all__ = ["ServerError", "ChatReply", "ConversationResult", "OpenAIChatGenerator", "generate_conversations"]
+__all__ = ["ServerError", "ChatReply", "ConversationResult", "OpenAIChatGenerator", "generate_conversations",
+           "reply_from_choice"]
 
 
 class ServerError(EyasError):
@@ -139,15 +140,7 @@ class OpenAIChatGenerator:
             raise ServerError(f"{self.srv.base_url}: no answer after {self.srv.max_retries} retries ({e})") from None
         except openai.APIStatusError as e:
             raise ServerError(f"{self.srv.base_url}: HTTP {e.status_code}: {e.message}") from None
-        choice = resp.choices[0]
-        msg = choice.message
-        extra_fields = msg.model_extra or {}
-        reasoning = extra_fields.get("reasoning") or extra_fields.get("reasoning_content")
-        return ChatReply(
-            content=(msg.content or "").strip(),
-            reasoning=reasoning.strip() if isinstance(reasoning, str) and reasoning.strip() else None,
-            finish_reason="length" if choice.finish_reason == "length" else "stop",
-        )
+        return reply_from_choice(resp.choices[0])
 
     async def regenerate(self, conv: Conversation) -> ConversationResult:
         """Regenerate every assistant turn of ``conv`` turn by turn; see the module docstring for failures."""
@@ -184,6 +177,23 @@ class OpenAIChatGenerator:
             turn += 1
         result.conversation = Conversation(id=conv.id, messages=out, source=conv.source)
         return result
+
+
+def reply_from_choice(choice) -> ChatReply:
+    """Read one ``openai`` ``Choice`` of a chat completion into a :class:`ChatReply`.
+
+    The reasoning text is vLLM's ``message.reasoning`` (vLLM >= 0.10; vllm/entrypoints/openai/chat_completion/
+    protocol.py ``ChatMessage``) or ``message.reasoning_content`` (older vLLM, SGLang, DeepSeek's API): fields the
+    ``openai`` client keeps in ``model_extra``. Surrounding whitespace is stripped; an empty one becomes ``None``.
+    """
+    msg = choice.message
+    extra = msg.model_extra or {}
+    reasoning = extra.get("reasoning") or extra.get("reasoning_content")
+    return ChatReply(
+        content=(msg.content or "").strip(),
+        reasoning=reasoning.strip() if isinstance(reasoning, str) and reasoning.strip() else None,
+        finish_reason="length" if choice.finish_reason == "length" else "stop",
+    )
 
 
 def _short(e: Exception, n: int = 200) -> str:

@@ -1,0 +1,60 @@
+"""generate.backend 'openai' without a server: reading replies in vLLM's response shape, and a server that is not
+there (a clear error; finished work stays). The real-server tests are in tests/e2e/test_generate_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.chat import ChatCompletion
+from vllm_server import free_port
+
+from eyas.config import RunConfig
+from eyas.generation.openai_chat import ServerError, reply_from_choice
+from eyas.io import iter_jsonl
+from eyas.stages import RunContext, init_run_dir, run_stage
+
+
+def _completion(message: dict, finish_reason: str) -> ChatCompletion:
+    # The body vLLM 0.32 returns (vllm/entrypoints/openai/chat_completion/protocol.py), parsed by the openai client.
+    return ChatCompletion.model_validate({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
+                     "logprobs": None}],
+    })
+
+
+def test_reply_keeps_reasoning_from_vllm_and_older_servers():
+    new = _completion({"content": "\n\nThe answer is 4.", "reasoning": " 2 + 2 = 4 \n"}, "stop")
+    r = reply_from_choice(new.choices[0])
+    assert (r.content, r.reasoning, r.finish_reason) == ("The answer is 4.", "2 + 2 = 4", "stop")
+    old = _completion({"content": "Four", "reasoning_content": "add them"}, "length")
+    r = reply_from_choice(old.choices[0])
+    assert (r.content, r.reasoning, r.finish_reason) == ("Four", "add them", "length")
+    plain = _completion({"content": None}, "stop")
+    r = reply_from_choice(plain.choices[0])
+    assert (r.content, r.reasoning) == ("", None)
+
+
+def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp_path):
+    rows = (shared / "data" / "train" / "gsm8k_train.jsonl").read_text().splitlines()[:3]
+    src = tmp_path / "gsm8k3.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": "unused-by-the-openai-backend"},
+        "prepare": {"sources": [{"path": str(src)}]},
+        "generate": {"backend": "openai", "openai": {"base_url": url, "max_retries": 0, "timeout_s": 5}},
+    })
+    ctx = RunContext(cfg=cfg, log=lambda m: None)
+    init_run_dir(ctx, ["pytest"])
+    run_stage(ctx, "prepare")
+    first = next(d for _, d in iter_jsonl(ctx.stage_dir("prepare") / "conversations.jsonl"))
+    out = ctx.stage_dir("generate") / "conversations.jsonl"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps(first) + "\n")  # finished by an earlier run
+    with pytest.raises(ServerError, match=url.replace(".", r"\.")):
+        run_stage(ctx, "generate")
+    assert [d for _, d in iter_jsonl(out)] == [first]
+    assert not (ctx.stage_dir("generate") / "done.json").exists()
