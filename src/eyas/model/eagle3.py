@@ -22,12 +22,14 @@ what the chain at anchor t sees when drafting at inference.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import ATTENTION
 
 
 @dataclass
@@ -98,8 +100,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Eagle3Attention(nn.Module):
-    """Attention over a 2H-wide input. Two entry points: :meth:`ttt` (training, causal prefix + diagonals) and
-    :meth:`decode` (inference with a key/value cache, plain causal)."""
+    """Attention over a 2H-wide input. Training (TTT, causal prefix + diagonals) goes through
+    :meth:`Eagle3DecoderLayer.ttt_step` and the kernel named by ``backend`` (:data:`eyas.model.attention.ATTENTION`);
+    :meth:`decode` is inference with a key/value cache (plain causal)."""
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -108,6 +111,7 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.backend = "sdpa"
 
     def _qkv(self, x, cos, sin):
         B, T, _ = x.shape
@@ -119,33 +123,6 @@ class Eagle3Attention(nn.Module):
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-    def ttt(self, x: torch.Tensor, cos, sin, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One TTT step. x [B, T, 2H]; ``cache`` holds (k, v) of earlier steps and is appended to.
-
-        Step 0 is causal attention over its own keys. Step k >= 1: scores against the step-0 keys (causal) and,
-        for each step i in 1..k, the score against step i's key at the query's own position; one softmax over all.
-        """
-        q, k, v = self._qkv(x, cos, sin)
-        cache.append((k, v))
-        rep = self.nh // self.nkv
-        if len(cache) == 1:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
-            return self._out(o)
-        k0, v0 = cache[0]
-        k0 = k0.repeat_interleave(rep, dim=1)
-        v0 = v0.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(self.hd)
-        T = q.shape[2]
-        s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale                         # [B, nh, T, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [(q * ki.repeat_interleave(rep, dim=1)).sum(-1, keepdim=True) * scale for ki, _ in cache[1:]]
-        p = torch.softmax(torch.cat([s0] + diag, dim=-1).float(), dim=-1).to(q.dtype)  # [B, nh, T, T + k]
-        o = torch.matmul(p[..., :T], v0)
-        for i, (_, vi) in enumerate(cache[1:]):
-            o = o + p[..., T + i: T + i + 1] * vi.repeat_interleave(rep, dim=1)
-        return self._out(o)
 
     def decode(self, x: torch.Tensor, cos, sin, kv: "KVCache") -> torch.Tensor:
         """Inference: x [B, S, 2H] new entries after ``kv.length`` cached ones; causal over cache + new."""
@@ -200,14 +177,28 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Eagle3MLP(cfg)
 
-    def forward(self, emb, hidden, cos, sin, *, ttt_cache=None, kv: KVCache | None = None) -> torch.Tensor:
-        """emb, hidden [B, T, H] -> new hidden [B, T, H] (pre-norm; fed back as the next step's feature)."""
+    def forward(self, emb, hidden, cos, sin, kv: "KVCache") -> torch.Tensor:
+        """Inference: emb, hidden [B, S, H] -> new hidden [B, S, H] (pre-norm), appending S entries to ``kv``."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
+        h = hidden + self.self_attn.decode(x, cos, sin, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def ttt_step(self, emb, hidden, cos, sin, ks: list, vs: list, num_steps: int):
+        """Training: one TTT step. emb, hidden [B, T, H]; ``ks``/``vs`` earlier steps' keys/values.
+        Returns (new hidden [B, T, H] pre-norm, fed back as the next step's feature; k; v)."""
+        q, k, v = self.ttt_in(emb, hidden, cos, sin)
+        o = ATTENTION[self.self_attn.backend](q, ks + [k], vs + [v], num_steps)      # [B, nh, T, hd]
+        return self.ttt_out(o, hidden), k, v
+
+    def ttt_in(self, emb, hidden, cos, sin):
+        """Norms, concat, q/k/v projections and RoPE: (q [B, nh, T, hd], k, v [B, nkv, T, hd]). Same shapes at
+        every TTT step, so ``torch.compile`` of this method compiles once per sequence length."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        if kv is not None:
-            a = self.self_attn.decode(x, cos, sin, kv)
-        else:
-            a = self.self_attn.ttt(x, cos, sin, ttt_cache)
-        h = hidden + a
+        return self.self_attn._qkv(x, cos, sin)
+
+    def ttt_out(self, o, hidden):
+        """o_proj, residual on the raw feature, post-attention norm and MLP: [B, T, H]."""
+        h = hidden + self.self_attn._out(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -226,6 +217,7 @@ class Eagle3DraftModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.gradient_checkpointing = False   # recompute each TTT step in backward (long sequences)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights an engine loads: everything but ``embed_tokens`` and the RoPE tables; plus d2t/t2d."""
@@ -250,14 +242,36 @@ class Eagle3DraftModel(nn.Module):
         hidden = self.fc(aux)                                    # [B, T, H]
         positions = torch.arange(T, device=input_ids.device)
         ids = _shift_left(input_ids)                             # step 0 embeds token t+1
-        cache: list = []
+        ks: list = []
+        vs: list = []
         outs = []
         for k in range(ttt_steps):
             cos, sin = self.rotary(positions + k)
-            hidden = self.midlayer(self.embed_tokens(ids), hidden, cos, sin, ttt_cache=cache)
+            emb = self.embed_tokens(ids)                         # [B, T, H]
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                hidden, key, value = checkpoint(self.midlayer.ttt_step, emb, hidden, cos, sin, ks, vs, ttt_steps,
+                                                use_reentrant=False)
+            else:
+                hidden, key, value = self.midlayer.ttt_step(emb, hidden, cos, sin, ks, vs, ttt_steps)
+            ks, vs = ks + [key], vs + [value]
             outs.append(hidden)
             ids = _shift_left(ids)                               # step k+1 embeds token t+2+k
         return outs
+
+    def set_attention(self, backend: str) -> None:
+        """Choose the TTT attention kernel by name (a key of :data:`eyas.model.attention.ATTENTION`).
+
+        Raises ``KeyError`` for an unknown name."""
+        if backend not in ATTENTION:
+            raise KeyError(f"unknown attention backend {backend!r}; known: {sorted(ATTENTION)}")
+        self.midlayer.self_attn.backend = backend
+
+    def compile_ttt(self) -> None:
+        """``torch.compile`` the per-step parts around attention (:meth:`Eagle3DecoderLayer.ttt_in` and
+        ``ttt_out``): norms, RoPE and the MLP's elementwise work fuse; attention keeps its own kernel. The module
+        tree and state dict are unchanged."""
+        self.midlayer.ttt_in = torch.compile(self.midlayer.ttt_in)
+        self.midlayer.ttt_out = torch.compile(self.midlayer.ttt_out)
 
     def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     kv: KVCache, from_target: bool) -> torch.Tensor:
@@ -267,7 +281,7 @@ class Eagle3DraftModel(nn.Module):
         if from_target:
             hidden = self.fc(hidden)
         cos, sin = self.rotary(positions)
-        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv=kv)
+        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv)
 
 
 def _shift_left(ids: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ over its counted positions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +85,98 @@ def ttt_loss(step_logits: list[torch.Tensor], labels: TargetLabels, decay: float
             metrics[f"acc_{k}"] = float((hit * m).sum() / n.clamp(min=1))
             metrics[f"count_{k}"] = int(n)
     return total, metrics
+
+
+def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor):
+    """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w [B, c] -> (sum_r w_r CE_r, weighted argmax hits,
+    dloss/dlogits fp32 [B, c, Dv]). CE against soft labels p: lse * sum(p) - sum(p * logits)."""
+    rw = row_w.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)                         # [B, c, 1]
+    psum = probs.sum(-1, keepdim=True)
+    loss = (rw * (lse.squeeze(-1) * psum.squeeze(-1) - (probs * logits).sum(-1))).sum()
+    hits = (rw.ne(0) & (logits.argmax(-1) == probs.argmax(-1))).float().sum()
+    grad = (torch.exp(logits - lse) * psum - probs) * rw.unsqueeze(-1)
+    return loss, hits, grad
+
+
+@functools.lru_cache(maxsize=2)
+def _soft_ce_kernel(compiled: bool):
+    return torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
+
+
+class _ChunkedSoftCE(torch.autograd.Function):
+    """sum_rows w[r] * CE(p[r], softmax(x[r] @ W^T)) without keeping the logits: the gradient is computed in the
+    forward pass chunk by chunk (the fused linear + cross-entropy technique), so memory is O(chunk x Dv), never
+    [T, Dv] per TTT step. Also returns the weighted count of argmax agreements (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, probs, row_w, chunk: int, compute_dtype, compiled: bool):
+        B, T, H = x.shape
+        cd = compute_dtype
+        w_c = weight.to(cd)
+        kernel = _soft_ce_kernel(compiled)
+        grad_x = torch.empty(B, T, H, dtype=x.dtype, device=x.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        hits = torch.zeros((), dtype=torch.float32, device=x.device)
+        for a in range(0, T, chunk):
+            xc = x[:, a: a + chunk].to(cd)                                      # [B, c, H]
+            logits = (xc @ w_c.T).float()                                       # [B, c, Dv]
+            loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk])
+            loss, hits = loss + loss_c, hits + hits_c
+            g = g.to(cd)
+            grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
+            grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).float()
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None
+
+
+def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_head_weight: torch.Tensor,
+                   labels: TargetLabels, decay: float, chunk: int = 2048, compiled: bool = False
+                   ) -> tuple[torch.Tensor, dict]:
+    """The same loss as :func:`ttt_loss`, computed from the pre-norm hidden states with the draft lm_head fused
+    into the cross-entropy (no [T, Dv] logits kept for backward; chunks of ``chunk`` positions).
+
+    Args:
+        step_hidden: K tensors [B, T, H]: step k's pre-norm hidden (the draft model's ``forward``).
+        norm: the draft's final RMSNorm (applied here, inside autograd).
+        lm_head_weight: [Dv, H] the draft lm_head weight.
+        labels: from :func:`target_labels`; step k at position t uses the labels of s = t+1+k (a view, no copy).
+        decay: step k is weighted decay**k.
+        chunk: positions per chunk (memory O(chunk x Dv)).
+        compiled: run the per-chunk elementwise work through ``torch.compile`` (one fused kernel; GPU).
+    Returns:
+        (loss scalar fp32, metrics dict with ``loss_k``, ``acc_k``, ``count_k`` as :func:`ttt_loss`). The metric
+        values stay tensors on the device (no host sync inside the step); :func:`metrics_to_host` converts them.
+    """
+    cd = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else (
+        torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else lm_head_weight.dtype)
+    T = labels.probs.shape[1]
+    total = torch.zeros((), dtype=torch.float32, device=labels.probs.device)
+    metrics: dict = {}
+    for k, h in enumerate(step_hidden):
+        n_rows = T - 1 - k                                   # positions whose label s = t+1+k exists
+        if n_rows <= 0:
+            continue
+        valid = labels.valid[:, 1 + k:].float()                                 # [B, n_rows]
+        n = valid.sum().clamp(min=1)
+        x = norm(h[:, :n_rows])                                                 # [B, n_rows, H]
+        loss_k, hits = _ChunkedSoftCE.apply(x, lm_head_weight, labels.probs[:, 1 + k:], valid / n, chunk, cd,
+                                             compiled)
+        total = total + (decay ** k) * loss_k
+        metrics[f"loss_{k}"] = loss_k.detach()
+        metrics[f"acc_{k}"] = hits / n
+        metrics[f"count_{k}"] = valid.sum()
+    return total, metrics
+
+
+def metrics_to_host(metrics: dict) -> dict:
+    """Device tensors of a metrics dict -> Python numbers (``count_*`` as int)."""
+    return {k: (int(v) if k.startswith("count_") else float(v)) for k, v in metrics.items()}
