@@ -36,14 +36,14 @@ def test_reply_keeps_reasoning_from_vllm_and_older_servers():
     assert (r.content, r.reasoning) == ("", None)
 
 
-def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp_path):
+def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, stories_dir, tmp_path):
     rows = (shared / "data" / "train" / "gsm8k_train.jsonl").read_text().splitlines()[:3]
     src = tmp_path / "gsm8k3.jsonl"
     src.write_text("\n".join(rows) + "\n")
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     cfg = RunConfig.model_validate({
         "run_dir": str(tmp_path / "run"),
-        "target": {"model": "unused-by-the-openai-backend"},
+        "target": {"model": str(stories_dir)},
         "prepare": {"sources": [{"path": str(src)}]},
         "generate": {"backend": "openai", "openai": {"base_url": url, "max_retries": 0, "timeout_s": 5}},
     })

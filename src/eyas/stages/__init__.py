@@ -32,7 +32,7 @@ STAGES = ["prepare", "generate", "tokenize", "vocab", "extract", "train", "expor
 
 # Config sections each stage depends on (its own and everything upstream that changes its output).
 _DEPENDS = {
-    "prepare": ["prepare"],
+    "prepare": ["prepare", "target"],  # its report counts tokens with the target's tokenizer
     "generate": ["prepare", "generate", "target"],
     "tokenize": ["prepare", "generate", "target", "tokenize"],
     "vocab": ["prepare", "generate", "target", "tokenize", "vocab"],

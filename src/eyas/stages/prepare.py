@@ -1,15 +1,32 @@
-"""prepare: read every source, normalise roles and turns, de-duplicate by stable sample id.
+"""prepare: read every source, normalise roles and turns, de-duplicate by stable sample id, report on the data.
 
-Writes ``prepare/conversations.jsonl`` (one :class:`~eyas.records.Conversation` per line) and
-``prepare/report.json`` (rows read/kept/skipped per source, skip reasons with file:line and field, duplicates).
+Writes ``prepare/conversations.jsonl`` (one :class:`~eyas.records.Conversation` per line), ``prepare/report.json``
+and ``prepare/token_lengths.png``.
+
+The report, per source: ``rows_read == rows_kept + rows_skipped`` (duplicates of an earlier sample and rows over
+``prepare.max_samples`` count as skipped, each with its reason in ``skipped_by_reason``), turns written by role,
+turn-level changes (empty turns dropped, same-role turns merged, leading assistant turns dropped) and token-length
+statistics; ``totals`` sums the sources and ``totals.rows_kept == samples``. Examples of every skip and change
+name their file:line (or ``file:row N``) and field under ``skips``.
+
+Token lengths are counted here, with the target's own tokenizer (it loads in about a second; a GGUF target is
+converted once, as generate needs it anyway): per conversation, the tokens of its turns' texts without the chat
+template, so template tokens (a few per turn) are not included; tokenize reports the exact rendered lengths and its
+truncations. That is why prepare depends on the ``target`` section.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..data.formats import load_source
-from ..io import JsonlAppender, write_json_atomic
-from ..records import SkipCounter, SkipRecord
+from ..io import JsonlAppender, atomic_path, write_json_atomic
+from ..records import Conversation, SkipCounter, SkipRecord
+from ..targets.load import load_tokenizer
 from . import RunContext
+
+DUPLICATE = "duplicate conversation (same sample id)"
+OVER_MAX = "over prepare.max_samples"
 
 
 def run(ctx: RunContext) -> dict:
@@ -17,32 +34,58 @@ def run(ctx: RunContext) -> dict:
     out_dir = ctx.stage_dir("prepare")
     out = out_dir / "conversations.jsonl"
     out.unlink(missing_ok=True)  # prepare is cheap and deterministic: always rebuilt whole
+    tok = load_tokenizer(ctx.cfg.target)
     skips = SkipCounter()
     seen: set[str] = set()
     per_source = []
+    lengths: dict[str, list[int]] = {}
     kept = duplicates = 0
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for src in cfg.sources:
             stats: dict = {}
-            for conv in load_source(src, skips, stats):
-                if conv.id in seen:
-                    duplicates += 1
-                    skips.add(SkipRecord(conv.source, "duplicate conversation (same sample id)"))
-                    continue
-                if cfg.max_samples is not None and kept >= cfg.max_samples:
-                    stats["rows_over_max_samples"] = stats.get("rows_over_max_samples", 0) + 1
+            src_skips = SkipCounter()
+            written: list[Conversation] = []
+            for conv in load_source(src, src_skips, stats):
+                reason = DUPLICATE if conv.id in seen else (
+                    OVER_MAX if cfg.max_samples is not None and kept >= cfg.max_samples else None)
+                if reason is not None:
+                    duplicates += reason == DUPLICATE
+                    _skip_kept_row(stats, src_skips, SkipRecord(conv.source, reason))
                     continue
                 seen.add(conv.id)
                 w.append(conv.to_json())
+                written.append(conv)
                 kept += 1
-            per_source.append({"path": src.path, **stats})
+            _merge(skips, src_skips)
+            row_reasons = set(stats["skipped_by_reason"])
+            by_role: dict[str, int] = {}
+            for c in written:
+                for m in c.messages:
+                    by_role[m.role] = by_role.get(m.role, 0) + 1
+            lengths[src.path] = _token_lengths(tok, written)
+            per_source.append({
+                "path": src.path, "format": src.format,
+                "rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
+                "rows_skipped": stats["rows_skipped"], "skipped_by_reason": stats["skipped_by_reason"],
+                "turns": sum(by_role.values()), "turns_by_role": by_role,
+                "turn_changes": {r: n for r, n in sorted(src_skips.counts.items()) if r not in row_reasons},
+                "token_lengths": _summary(lengths[src.path]),
+            })
             ctx.log(
                 f"[eyas] prepare: {src.path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
                 f"{stats['rows_skipped']} skipped"
             )
+    totals = {k: sum(s[k] for s in per_source) for k in ("rows_read", "rows_kept", "rows_skipped", "turns")}
+    all_lengths = [n for v in lengths.values() for n in v]
+    png = out_dir / "token_lengths.png"
+    plotted = _plot_histogram(lengths, png, str(tok.name_or_path), ctx)
     report = {
         "samples": kept,
         "duplicates": duplicates,
+        "totals": {**totals, "token_lengths": _summary(all_lengths)},
+        "token_lengths_counted_with": {"tokenizer": str(tok.name_or_path),
+                                       "what": "tokens of each conversation's turn texts, chat template excluded"},
+        "token_length_histogram": png.name if plotted else None,
         "sources": per_source,
         "skips": skips.to_json(),
     }
@@ -50,4 +93,76 @@ def run(ctx: RunContext) -> dict:
     if skips.total:
         top = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
         ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {out_dir / 'report.json'}")
-    return {"samples": kept, "duplicates": duplicates, "skipped": skips.total}
+    return {"samples": kept, "duplicates": duplicates, "skipped": totals["rows_skipped"],
+            "tokens": sum(all_lengths)}
+
+
+def _skip_kept_row(stats: dict, skips: SkipCounter, rec: SkipRecord) -> None:
+    """A row load_source counted as kept is not written after all (duplicate, over max_samples)."""
+    stats["rows_kept"] -= 1
+    stats["rows_skipped"] += 1
+    stats["skipped_by_reason"][rec.reason] = stats["skipped_by_reason"].get(rec.reason, 0) + 1
+    skips.add(rec)
+
+
+def _merge(into: SkipCounter, other: SkipCounter) -> None:
+    for reason, n in other.counts.items():
+        into.counts[reason] = into.counts.get(reason, 0) + n
+        ex = into.examples.setdefault(reason, [])
+        ex.extend(other.examples.get(reason, [])[: max(0, into.keep - len(ex))])
+
+
+def _token_lengths(tok, convs: list[Conversation], chunk: int = 512) -> list[int]:
+    """Tokens per conversation: the sum over its turns of ``len(tok(text, add_special_tokens=False))``."""
+    texts = [m.content for c in convs for m in c.messages]
+    per_text: list[int] = []
+    for i in range(0, len(texts), chunk):
+        per_text += [len(ids) for ids in tok(texts[i: i + chunk], add_special_tokens=False)["input_ids"]]
+    out, j = [], 0
+    for c in convs:
+        out.append(sum(per_text[j: j + len(c.messages)]))
+        j += len(c.messages)
+    return out
+
+
+def _summary(v: list[int]) -> dict:
+    """count, total, min, mean, p50/p90/p99 (nearest rank) and max of token lengths."""
+    if not v:
+        return {"count": 0, "total": 0}
+    s = sorted(v)
+
+    def pct(p: float) -> int:
+        return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+    return {"count": len(s), "total": sum(s), "min": s[0], "mean": round(sum(s) / len(s), 1), "p50": pct(50),
+            "p90": pct(90), "p99": pct(99), "max": s[-1]}
+
+
+def _plot_histogram(lengths: dict[str, list[int]], path, tokenizer: str, ctx: RunContext) -> bool:
+    """One step histogram per source on log-spaced bins, saved as PNG; False (with a warning) without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        ctx.log("[eyas] prepare: matplotlib is not installed (pip install 'eyas[report]'): no token-length PNG")
+        return False
+    import numpy as np
+
+    values = [n for v in lengths.values() for n in v]
+    if not values:
+        return False
+    hi = max(2, max(values))
+    bins = np.unique(np.geomspace(1, hi + 1, 40).astype(int))
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    ax = fig.add_subplot()
+    for name, v in lengths.items():
+        if v:
+            ax.hist(v, bins=bins, histtype="step", linewidth=1.4, label=f"{name.rsplit('/', 1)[-1]} ({len(v)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per conversation (turn texts, chat template excluded)")
+    ax.set_ylabel("conversations")
+    ax.set_title(f"prepare: token lengths ({tokenizer.rsplit('/', 1)[-1]} tokenizer)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return True
