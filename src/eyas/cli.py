@@ -100,6 +100,50 @@ def show_config(
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
 
 
+@app.command()
+def doctor(
+    path: str = typer.Argument(..., help="A run directory, or a hidden-state store folder (RUN/extract/store)."),
+    repair: bool = typer.Option(False, "--repair", help="Drop exactly the bad entries and re-extract them."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+) -> None:
+    """Re-validate a hidden-state store (checksums, shapes, finiteness, token ids, layer ids); list missing,
+    corrupt and foreign samples. Exit code 1 when problems remain."""
+    from .store.doctor import diagnose
+    from .store.doctor import repair as repair_store
+
+    log = lambda m: console.print(m, markup=False, highlight=False)  # noqa: E731
+    try:
+        report = diagnose(path)
+        _print_doctor(report, as_json)
+        if repair and not report.clean:
+            report = repair_store(report, log=log)
+            log("[eyas] doctor: after repair")
+            _print_doctor(report, as_json)
+    except EyasError as e:
+        _fail(e)
+    if not report.clean:
+        raise typer.Exit(code=1)
+
+
+def _print_doctor(report, as_json: bool) -> None:
+    if as_json:
+        Console().print_json(data=report.to_json(limit=10**9))
+        return
+    out = Console()
+    counts = report.counts()
+    out.print(f"store {report.store}: {report.samples_ok} valid samples of {report.samples_listed} listed; "
+              + ", ".join(f"{k} {v}" for k, v in counts.items()), highlight=False)
+    if report.findings:
+        t = Table(show_header=True, header_style="bold")
+        for c in ("kind", "sample", "shard", "where", "reason"):
+            t.add_column(c, overflow="fold")
+        for f in report.findings[:40]:
+            t.add_row(f.kind, f.sample or "", f.shard or "", f.where, f.reason)
+        out.print(t)
+        if len(report.findings) > 40:
+            out.print(f"... and {len(report.findings) - 40} more (--json lists all)")
+
+
 def print_summary(ctx: RunContext, s: dict) -> None:
     """The end-of-run table: data, training, acceptance, and where the drafter is."""
     out = Console()

@@ -111,6 +111,16 @@ class ExtractConfig(Section):
     batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward pass")
     shard_bytes: int = Field(256 << 20, ge=1, description="target size of one safetensors shard")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype")
+    aux_format: Literal["same", "float8_e4m3fn"] = Field(
+        "same", description="aux states stored in `dtype` ('same') or fp8 e4m3 with one scale per token and layer"
+    )
+    backend: Literal["transformers"] = Field("transformers", description="capture backend (eyas.capture)")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the target runs in while extracting; auto: bfloat16 on GPU, else target.dtype"
+    )
+    device_map: Literal["auto"] | None = Field(
+        None, description="'auto' spreads a target larger than one GPU over all GPUs (accelerate); not with torchrun"
+    )
 
 
 class DraftConfig(Section):

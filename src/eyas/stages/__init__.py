@@ -173,7 +173,8 @@ def run_stage(ctx: RunContext, stage: str) -> dict:
     module = import_module(f"eyas.stages.{stage}")
     summary = module.run(ctx)
     seconds = time.time() - t0
-    write_json_atomic(ctx.stage_dir(stage) / "done.json", {"summary": summary, "seconds": round(seconds, 2)})
+    if ctx.extra.pop("write_done", True):  # False on data-parallel ranks other than 0 (extract)
+        write_json_atomic(ctx.stage_dir(stage) / "done.json", {"summary": summary, "seconds": round(seconds, 2)})
     ctx.log(f"[eyas] {stage}: done in {seconds:.1f} s")
     return summary
 

@@ -1,28 +1,37 @@
 """Hidden-state store: safetensors shards keyed by sample id, plus a manifest that is the only source of truth.
 
-Layout of a store folder::
+Layout of a store folder (one per run: ``RUN/extract/store``; its header names the run, so another run's files are
+recognised wherever they are copied)::
 
     store.json                       StoreHeader: run id, target/tokenizer identity, layer ids + convention, dtype...
     shards/shard-R{rank:03d}-{n:06d}.safetensors
-    manifest/rank-{rank:03d}.jsonl   one line per committed shard: its file size, sha256, and per-sample entries
+    manifest/rank-{rank:03d}.jsonl   one line per committed shard (one file per data-parallel rank)
 
-Tensors of sample ``sid`` inside a shard (T tokens, H target hidden size, L = 3 aux layers):
-- ``{sid}.input_ids`` int32 [T]   token ids the states were computed from;
-- ``{sid}.aux``       dtype [T, L, H]  aux hidden states (outputs of the aux layers, ``output_of_layer`` ids);
-- ``{sid}.last``      dtype [T, H]     last hidden state, after the final norm (as SGLang / HF / SpecForge).
+Tensors of sample ``sid`` inside a shard (T tokens, H target hidden size, L aux layers, usually 3):
+- ``{sid}.input_ids`` int32 [T]        token ids the states were computed from;
+- ``{sid}.aux``       [T, L, H]        aux hidden states (outputs of the aux layers, ``output_of_layer`` ids), in
+  the store dtype, or float8_e4m3fn when ``aux_format`` is ``float8_e4m3fn``;
+- ``{sid}.aux_scale`` float32 [T, L]   fp8 only: one scale per token and layer (:mod:`eyas.store.fp8`);
+- ``{sid}.last``      [T, H]           last hidden state, after the final norm (as SGLang / HF / SpecForge).
+Readers get ``aux`` back in the store dtype (fp8 de-quantised).
 
-Commit protocol: a shard is written under a temporary name, fsynced and renamed; only then is its manifest line
-appended and fsynced. A shard without a manifest line (crash between the two) is an orphan: it is deleted on
-resume and its samples are extracted again. Resume trusts the manifest only after checking each listed shard's
-size and header against it; :func:`eyas.store.doctor` re-hashes everything.
+A manifest line is ``{"run_id", "shard", "bytes", "header_sha256", "samples": [ManifestEntry...]}``. A sample's
+``checksum`` is sha256 over its stored tensors' raw bytes (input_ids, aux, [aux_scale,] last, in that order). The
+file size, the sha256 of the safetensors header (tensor names, dtypes, shapes, offsets, run id) and the per-sample
+checksums together pin every byte of a shard, so no whole-file hash is computed at write time.
 
-Each sample's checksum is sha256 over its three tensors' raw bytes (input_ids, aux, last, in that order).
+Commit protocol (FIELD_NOTES, extraction rule 2): a shard is written under a temporary name, fsynced and renamed;
+only then is its manifest line appended and fsynced. A shard without a manifest line (crash between the two) is an
+orphan: resume deletes it and its samples are extracted again. Resume trusts a listed shard only after a cheap but
+complete structural check (size, header hash, run id: a few KiB read per shard); ``eyas doctor`` re-hashes every
+sample (:mod:`eyas.store.doctor`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,25 +40,35 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ..errors import StoreError
-from ..io import JsonlAppender, atomic_path, iter_jsonl, read_json, sha256_bytes, write_json_atomic
+from ..io import JsonlAppender, atomic_path, read_json, sha256_bytes, write_json_atomic
+from .fp8 import FP8, dequantize_fp8, fp8_has_nan, quantize_fp8
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+AUX_FORMATS = ("same", "float8_e4m3fn")  # "same": aux stored in the store dtype
 
 
 @dataclass
 class StoreHeader:
-    """What a store was made from. Two stores (or a store and a run) match only when every field matches."""
+    """What a store was made from. Two stores (or a store and a run) match only when every identity field matches.
+
+    ``target``: ``{"path", "config_sha256", "weights_sha256", "num_layers", "hidden_size"}``;
+    ``tokenizer``: ``{"name_or_path", "vocab_size", "chat_template_sha256"}``;
+    ``layer_ids`` in ``layer_convention`` (always ``output_of_layer`` in an Eyas store, FIELD_NOTES);
+    ``last_hidden``: ``post_norm``; ``dtype``: storage dtype of ``last`` (and of ``aux`` unless ``aux_format`` is
+    ``float8_e4m3fn``); ``engine``: ``{"name", "version", ...}`` of the capture backend.
+    """
 
     run_id: str
-    target: dict            # {"path", "config_sha256", "num_layers", "hidden_size"}
-    tokenizer: dict         # {"name_or_path", "vocab_size", "chat_template_sha256"}
+    target: dict
+    tokenizer: dict
     layer_ids: list[int]
-    layer_convention: str   # always "output_of_layer" in an Eyas store
-    last_hidden: str        # "post_norm"
+    layer_convention: str
+    last_hidden: str
     hidden_size: int
     dtype: str
-    engine: dict            # {"name": "transformers", "version": ...}
+    engine: dict
+    aux_format: str = "same"
     format_version: int = FORMAT_VERSION
 
     # Fields that may differ between runs that extract the same content (where it ran, with which engine).
@@ -61,10 +80,19 @@ class StoreHeader:
             d.pop(k)
         return d
 
+    @property
+    def fp8(self) -> bool:
+        return self.aux_format == "float8_e4m3fn"
+
+    @property
+    def aux_dtype(self) -> torch.dtype:
+        """dtype of the stored ``aux`` tensor (float8_e4m3fn for fp8 stores)."""
+        return FP8 if self.fp8 else DTYPES[self.dtype]
+
 
 @dataclass
 class SampleStates:
-    """One sample read back: ``input_ids`` int32 [T], ``aux`` [T, L, H], ``last`` [T, H]."""
+    """One sample read back: ``input_ids`` int32 [T], ``aux`` [T, L, H] and ``last`` [T, H] in the store dtype."""
 
     id: str
     input_ids: torch.Tensor
@@ -86,17 +114,62 @@ class ManifestEntry:
 class ShardRecord:
     shard: str
     bytes: int
-    sha256: str
+    header_sha256: str
+    run_id: str
     samples: list[ManifestEntry] = field(default_factory=list)
+    manifest: str = ""   # "rank-000.jsonl:3": where the record was read (for messages)
+
+    def to_json(self) -> dict:
+        return {"run_id": self.run_id, "shard": self.shard, "bytes": self.bytes, "header_sha256": self.header_sha256,
+                "samples": [asdict(e) for e in self.samples]}
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Raw bytes of a tensor in its own dtype (bf16 included), C order."""
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+@dataclass
+class PreparedSample:
+    """A validated sample in storage form, ready for :meth:`ShardWriter.append`."""
+
+    entry: ManifestEntry
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
 
 
-def sample_checksum(input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> str:
-    return sha256_bytes(tensor_bytes(input_ids), tensor_bytes(aux), tensor_bytes(last))
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a CPU tensor in its own dtype (bf16 and fp8 included), C order, without a copy when contiguous."""
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+def sample_checksum(*tensors: torch.Tensor) -> str:
+    """sha256 over the raw bytes of ``tensors`` in order (input_ids, aux, [aux_scale,] last)."""
+    return sha256_bytes(*(tensor_bytes(t) for t in tensors))
+
+
+def read_safetensors_header(path: Path) -> tuple[bytes, dict]:
+    """The raw header bytes (8-byte length + JSON) of a safetensors file and the parsed JSON.
+
+    Raises ``ValueError`` when the file is too short or the header is not valid JSON, and when the tensors' data
+    offsets do not end exactly at the end of the file (truncated or extended). Format: safetensors README.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"header length {n} exceeds the file")
+        raw = f.read(n)
+    try:
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"header is not valid JSON ({e})") from None
+    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"file is {size} bytes, its header describes {8 + n + end}")
+    return head + raw, meta
+
+
+def _stored_names(sid: str, fp8: bool) -> list[str]:
+    return [f"{sid}.input_ids", f"{sid}.aux"] + ([f"{sid}.aux_scale"] if fp8 else []) + [f"{sid}.last"]
 
 
 class HiddenStateStore:
@@ -123,7 +196,7 @@ class HiddenStateStore:
         root = Path(root)
         hpath = root / "store.json"
         if hpath.exists():
-            old = StoreHeader(**read_json(hpath))
+            old = read_header(hpath)
             if old.identity() != header.identity():
                 diff = [k for k, v in header.identity().items() if old.identity().get(k) != v]
                 raise StoreError(
@@ -145,18 +218,33 @@ class HiddenStateStore:
         hpath = root / "store.json"
         if not hpath.exists():
             raise StoreError(f"{root}: not a hidden-state store (no store.json)")
-        store = cls(root, StoreHeader(**read_json(hpath)))
+        store = cls(root, read_header(hpath))
         store._load_manifest()
         return store
 
-    def manifest_records(self) -> list[ShardRecord]:
-        """Every committed shard record, all ranks, in file order."""
-        recs = []
+    def manifest_files(self) -> list[Path]:
         mdir = self.root / "manifest"
-        for mf in sorted(mdir.glob("rank-*.jsonl")) if mdir.exists() else []:
-            for _, d in iter_jsonl(mf):
-                recs.append(ShardRecord(d["shard"], d["bytes"], d["sha256"],
-                                        [ManifestEntry(**e) for e in d["samples"]]))
+        return sorted(mdir.glob("rank-*.jsonl")) if mdir.exists() else []
+
+    def manifest_records(self) -> list[ShardRecord]:
+        """Every committed shard record, all ranks, in file order. A torn last line (a crash while it was being
+        appended, so its shard is an orphan) is ignored. Raises :class:`StoreError` on any other bad line."""
+        recs = []
+        for mf in self.manifest_files():
+            data = mf.read_bytes()
+            lines = data.split(b"\n")
+            if lines and lines[-1]:  # no trailing newline: torn tail
+                lines = lines[:-1]
+            for lineno, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    recs.append(ShardRecord(d["shard"], int(d["bytes"]), d["header_sha256"], d["run_id"],
+                                            [ManifestEntry(**e) for e in d["samples"]], f"{mf.name}:{lineno}"))
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                    raise StoreError(f"{mf}:{lineno}: not a manifest record ({type(e).__name__}: {e}); "
+                                     f"run `eyas doctor RUN --repair`") from None
         return recs
 
     def _load_manifest(self) -> None:
@@ -164,48 +252,66 @@ class HiddenStateStore:
         for rec in self.manifest_records():
             for e in rec.samples:
                 if e.id in self._index:
-                    raise StoreError(f"{self.root}: sample {e.id} is listed twice in the manifest")
+                    raise StoreError(f"{self.root}: sample {e.id} is listed twice in the manifest "
+                                     f"({self._index[e.id][0]} and {rec.shard}); run `eyas doctor RUN --repair`")
                 self._index[e.id] = (rec.shard, e)
+
+    def reload(self) -> None:
+        """Re-read the manifest (after other ranks or a repair changed it)."""
+        self._handles.clear()
+        self._load_manifest()
 
     # ---------------------------------------------------------------- resume
     def validate_for_resume(self) -> dict:
-        """Check every manifest-listed shard's size and header; delete orphans and temporaries.
+        """Check every listed shard cheaply but completely; cut torn manifest tails; delete orphans and temporaries.
 
-        Returns counts. Raises :class:`StoreError` for a listed shard that is missing, truncated or whose header
-        disagrees with the manifest: run ``eyas doctor --repair`` for those.
+        Per listed shard: it exists, its size and the sha256 of its safetensors header equal the manifest's, and
+        the run id in the manifest line and in the shard's metadata is this store's. Only the header (a few KiB)
+        is read; the tensor bytes are covered by per-sample checksums, re-hashed by ``eyas doctor``.
+
+        Returns counts. Raises :class:`StoreError` naming the shard for the first failure (missing, truncated,
+        replaced, foreign): run ``eyas doctor RUN --repair`` for those.
         """
-        listed = {rec.shard: rec for rec in self.manifest_records()}
+        for mf in self.manifest_files():
+            _cut_torn_tail(mf)
+        records = self.manifest_records()
+        listed = {rec.shard: rec for rec in records}
         sdir = self.root / "shards"
         removed = 0
         for p in sorted(sdir.iterdir()) if sdir.exists() else []:
             if p.name not in listed:  # orphan (crash before the manifest line) or a temporary file
                 p.unlink()
                 removed += 1
-        for name, rec in listed.items():
+        for rec in records:
             problem = self.check_shard_structure(rec)
             if problem:
-                raise StoreError(f"{sdir / name}: {problem}. Run `eyas doctor RUN --repair` to re-extract it.")
+                raise StoreError(f"{sdir / rec.shard} (manifest/{rec.manifest}): {problem}. "
+                                 f"Run `eyas doctor RUN --repair` to re-extract its samples.")
+        self.reload()
         return {"shards": len(listed), "samples": len(self._index), "orphans_removed": removed}
 
     def check_shard_structure(self, rec: ShardRecord) -> str | None:
-        """A cheap check of one shard against its manifest record (size, tensor names, shapes, dtypes)."""
+        """A cheap, complete check of one shard's structure against its manifest record; ``None`` when it passes.
+
+        Size, header hash (tensor names, dtypes, shapes, offsets), the run ids; reads only the header.
+        """
+        if rec.run_id != self.header.run_id:
+            return f"manifest line belongs to run {rec.run_id}, this store is run {self.header.run_id} (foreign)"
         path = self.root / "shards" / rec.shard
         if not path.exists():
             return "listed in the manifest but missing"
-        if path.stat().st_size != rec.bytes:
-            return f"size {path.stat().st_size} differs from the manifest's {rec.bytes} (truncated or replaced)"
+        size = path.stat().st_size
+        if size != rec.bytes:
+            return f"size {size} differs from the manifest's {rec.bytes} (truncated or replaced)"
         try:
-            with safe_open(str(path), framework="pt") as f:
-                keys = set(f.keys())
-                for e in rec.samples:
-                    for suffix, shape in (("aux", e.aux_shape), ("last", e.last_shape), ("input_ids", [e.tokens])):
-                        k = f"{e.id}.{suffix}"
-                        if k not in keys:
-                            return f"tensor {k} missing"
-                        if list(f.get_slice(k).get_shape()) != list(shape):
-                            return f"tensor {k} has shape {f.get_slice(k).get_shape()}, manifest says {shape}"
-        except Exception as ex:  # unreadable header
-            return f"unreadable safetensors header ({ex})"
+            raw, meta = read_safetensors_header(path)
+        except ValueError as e:
+            return f"unreadable safetensors header ({e})"
+        if sha256_bytes(raw) != rec.header_sha256:
+            return "safetensors header differs from the one committed (tensor names, shapes or offsets changed)"
+        run = meta.get("__metadata__", {}).get("eyas_run_id")
+        if run != self.header.run_id:
+            return f"shard was written by run {run}, this store is run {self.header.run_id} (foreign)"
         return None
 
     # ---------------------------------------------------------------- writing
@@ -225,19 +331,53 @@ class HiddenStateStore:
     def entry(self, sid: str) -> ManifestEntry:
         return self._index[sid][1]
 
-    def read(self, sid: str) -> SampleStates:
-        """Random access to one sample (memory-mapped). Raises KeyError for an unknown id."""
-        shard, _ = self._index[sid]
+    def _handle(self, shard: str):
         f = self._handles.get(shard)
         if f is None:
             f = safe_open(str(self.root / "shards" / shard), framework="pt")
             self._handles[shard] = f
-        return SampleStates(sid, f.get_tensor(f"{sid}.input_ids"), f.get_tensor(f"{sid}.aux"),
-                            f.get_tensor(f"{sid}.last"))
+        return f
+
+    def read_stored(self, sid: str) -> dict[str, torch.Tensor]:
+        """The sample's tensors exactly as stored (fp8 aux not de-quantised), keyed ``input_ids``, ``aux``,
+        [``aux_scale``,] ``last``. Raises KeyError for an unknown id."""
+        shard, _ = self._index[sid]
+        f = self._handle(shard)
+        return {n.split(".")[-1]: f.get_tensor(n) for n in _stored_names(sid, self.header.fp8)}
+
+    def read(self, sid: str) -> SampleStates:
+        """Random access to one sample (memory-mapped); ``aux`` in the store dtype. Raises KeyError for an
+        unknown id."""
+        t = self.read_stored(sid)
+        aux = dequantize_fp8(t["aux"], t["aux_scale"], DTYPES[self.header.dtype]) if self.header.fp8 else t["aux"]
+        return SampleStates(sid, t["input_ids"], aux, t["last"])
+
+
+def read_header(path: Path) -> StoreHeader:
+    """Parse ``store.json``; raises :class:`StoreError` naming the file when it is not a store header."""
+    d = read_json(path)
+    try:
+        return StoreHeader(**d)
+    except TypeError as e:
+        raise StoreError(f"{path}: not an Eyas store header ({e})") from None
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Remove a last line without its newline (a crash while appending it)."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "rb+") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 class ShardWriter:
-    """Buffers samples and commits them as shards (atomic rename, then manifest line)."""
+    """Validates samples and commits them as shards (atomic rename, then manifest line).
+
+    :meth:`prepare` (validate, quantise, checksum) is thread-safe and may run in a pool; :meth:`append` and
+    :meth:`commit` must be called from one thread. :meth:`add` does both.
+    """
 
     def __init__(self, store: HiddenStateStore, rank: int):
         self.store = store
@@ -245,14 +385,20 @@ class ShardWriter:
         self.buffer: dict[str, torch.Tensor] = {}
         self.entries: list[ManifestEntry] = []
         self.buffered_bytes = 0
-        existing = sorted((store.root / "shards").glob(f"shard-R{rank:03d}-*.safetensors"))
-        self.next_index = (int(existing[-1].stem.split("-")[-1]) + 1) if existing else 0
+        prefix = f"shard-R{rank:03d}-"
+        names = [p.name for p in (store.root / "shards").glob(prefix + "*.safetensors")]
+        names += [r.shard for r in store.manifest_records() if r.shard.startswith(prefix)]
+        used = [int(n[len(prefix):].split(".")[0]) for n in names if n[len(prefix):].split(".")[0].isdigit()]
+        self.next_index = max(used) + 1 if used else 0
         self.manifest = JsonlAppender(store.root / "manifest" / f"rank-{rank:03d}.jsonl")
 
-    def add(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor) -> None:
-        """Validate and buffer one sample: ``input_ids`` [T] int, ``aux`` [T, L, H], ``last`` [T, H].
+    def prepare(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
+                aux_scale: torch.Tensor | None = None) -> PreparedSample:
+        """Validate one sample and put it in storage form (FIELD_NOTES extraction rule 3).
 
-        Raises :class:`StoreError` on a shape, dtype or finiteness problem (FIELD_NOTES extraction rule 3).
+        ``input_ids`` [T] int; ``aux`` [T, L, H] in the store dtype, or, for an fp8 store, either in the store
+        dtype (quantised here) or already float8_e4m3fn with ``aux_scale`` float32 [T, L]; ``last`` [T, H] in the
+        store dtype. Raises :class:`StoreError` naming the sample on a shape, dtype or finiteness problem.
         """
         h = self.store.header
         T = int(input_ids.shape[0])
@@ -261,20 +407,40 @@ class ShardWriter:
         if tuple(aux.shape) != (T, L, H) or tuple(last.shape) != (T, H):
             raise StoreError(f"sample {sid}: states shaped aux {tuple(aux.shape)}, last {tuple(last.shape)}; "
                              f"expected ({T}, {L}, {H}) and ({T}, {H})")
-        if aux.dtype != dt or last.dtype != dt:
-            raise StoreError(f"sample {sid}: dtype {aux.dtype}/{last.dtype}, store holds {dt}")
-        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+        if last.dtype != dt or aux.dtype not in (dt, h.aux_dtype):
+            raise StoreError(f"sample {sid}: dtype {aux.dtype}/{last.dtype}, store holds {dt} (aux {h.aux_dtype})")
+        if not _all_finite(last) or (aux.dtype != FP8 and not _all_finite(aux)):
             raise StoreError(f"sample {sid}: non-finite hidden states")
-        if sid in self.store or sid in {e.id for e in self.entries}:
-            raise StoreError(f"sample {sid} is already in the store")
         ids32 = input_ids.to(torch.int32).contiguous().cpu()
         aux, last = aux.contiguous().cpu(), last.contiguous().cpu()
-        self.buffer[f"{sid}.input_ids"] = ids32
-        self.buffer[f"{sid}.aux"] = aux
-        self.buffer[f"{sid}.last"] = last
-        self.entries.append(ManifestEntry(sid, T, sample_checksum(ids32, aux, last), list(aux.shape),
-                                          list(last.shape), h.dtype))
-        self.buffered_bytes += aux.numel() * aux.element_size() + last.numel() * last.element_size() + 4 * T
+        tensors = {"input_ids": ids32}
+        if h.fp8:
+            if aux.dtype != FP8:
+                aux, aux_scale = quantize_fp8(aux)
+            if aux_scale is None or tuple(aux_scale.shape) != (T, L) or aux_scale.dtype != torch.float32:
+                raise StoreError(f"sample {sid}: fp8 aux needs aux_scale float32 [{T}, {L}]")
+            if fp8_has_nan(aux) or not _all_finite(aux_scale):
+                raise StoreError(f"sample {sid}: non-finite hidden states")
+            tensors.update(aux=aux, aux_scale=aux_scale.contiguous().cpu(), last=last)
+        else:
+            tensors.update(aux=aux, last=last)
+        entry = ManifestEntry(sid, T, sample_checksum(*tensors.values()), list(aux.shape), list(last.shape), h.dtype)
+        return PreparedSample(entry, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def append(self, p: PreparedSample) -> None:
+        """Buffer a prepared sample for the next shard. Raises :class:`StoreError` for an id already stored."""
+        sid = p.entry.id
+        if sid in self.store or f"{sid}.input_ids" in self.buffer:
+            raise StoreError(f"sample {sid} is already in the store")
+        for k, t in p.tensors.items():
+            self.buffer[f"{sid}.{k}"] = t
+        self.entries.append(p.entry)
+        self.buffered_bytes += p.nbytes
+
+    def add(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
+            aux_scale: torch.Tensor | None = None) -> None:
+        """:meth:`prepare` then :meth:`append` (see there for shapes and errors)."""
+        self.append(self.prepare(sid, input_ids, aux, last, aux_scale))
 
     def commit(self) -> ShardRecord | None:
         """Write the buffered samples as one shard (atomic), then append and fsync its manifest line."""
@@ -283,11 +449,11 @@ class ShardWriter:
         name = f"shard-R{self.rank:03d}-{self.next_index:06d}.safetensors"
         final = self.store.root / "shards" / name
         data = save(self.buffer, metadata={"eyas_run_id": self.store.header.run_id})
+        (n,) = struct.unpack("<Q", data[:8])
         with atomic_path(final) as tmp:
             tmp.write_bytes(data)
-        rec = ShardRecord(name, len(data), sha256_bytes(data), self.entries)
-        self.manifest.append({"shard": rec.shard, "bytes": rec.bytes, "sha256": rec.sha256,
-                              "samples": [asdict(e) for e in rec.samples]})
+        rec = ShardRecord(name, len(data), sha256_bytes(data[: 8 + n]), self.store.header.run_id, self.entries)
+        self.manifest.append(rec.to_json())
         for e in rec.samples:
             self.store._index[e.id] = (name, e)
         self.next_index += 1
@@ -297,3 +463,10 @@ class ShardWriter:
     def close(self) -> None:
         self.commit()
         self.manifest.close()
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # One fp32 reduction first (fast); NaN/inf propagate. Only an overflowing sum needs the exact elementwise check.
+    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())

@@ -1,0 +1,81 @@
+"""Storing captured samples off the capture thread.
+
+Validation, fp8 quantisation and checksums (:meth:`ShardWriter.prepare`) run in a thread pool; buffering and shard
+commits (:meth:`ShardWriter.append`, :meth:`ShardWriter.commit`) run in one writer thread, in submission order.
+torch reductions, hashlib and file writes release the GIL, so the capture loop keeps the accelerator busy while
+the previous batch is being stored. Memory in flight is bounded (``max_pending_bytes``): :meth:`put` waits when
+the writer falls behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from .shards import ShardWriter
+
+
+class BackgroundWriter:
+    """Feed :class:`~eyas.capture.CapturedSample` objects to a :class:`ShardWriter` from a background thread.
+
+    ``shard_bytes``: a shard is committed once this many bytes are buffered. :meth:`close` commits what is
+    buffered and re-raises the first error (a :class:`~eyas.errors.StoreError` naming the sample, or an I/O error).
+    Counters: ``samples``, ``tokens``, ``stored_bytes`` (tensor bytes, excluding safetensors headers).
+    """
+
+    def __init__(self, writer: ShardWriter, shard_bytes: int, workers: int | None = None,
+                 max_pending_bytes: int = 2 << 30):
+        self.writer = writer
+        self.shard_bytes = shard_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1),
+                                       thread_name_prefix="eyas-prepare")
+        self._queue: queue.Queue = queue.Queue()
+        self._pending_bytes = 0
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.samples = self.tokens = self.stored_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="eyas-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, cs) -> None:
+        """Queue one captured sample (CPU tensors). Raises the writer's first error, if any, here."""
+        if self.error is not None:
+            raise self.error
+        nbytes = sum(t.numel() * t.element_size() for t in (cs.aux, cs.last) if t is not None)
+        with self._cond:
+            while self._pending_bytes > self.max_pending_bytes and self.error is None:
+                self._cond.wait()
+            self._pending_bytes += nbytes
+        fut = self.pool.submit(self.writer.prepare, cs.sample_id, cs.input_ids, cs.aux, cs.last, cs.aux_scale)
+        self._queue.put((fut, nbytes))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, nbytes = item
+            try:
+                if self.error is None:
+                    p = fut.result()
+                    self.writer.append(p)
+                    self.samples += 1
+                    self.tokens += p.entry.tokens
+                    self.stored_bytes += p.nbytes
+                    if self.writer.buffered_bytes >= self.shard_bytes:
+                        self.writer.commit()
+            except BaseException as e:  # noqa: BLE001 - handed to the capture thread
+                self.error = e
+            finally:
+                with self._cond:
+                    self._pending_bytes -= nbytes
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wait for every queued sample, commit the buffered ones, close the manifest; re-raise the first error."""
+        self._queue.put(None)
+        self._thread.join()
+        self.pool.shutdown()
+        self.writer.close()  # samples already validated are committed even when a later one failed
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,89 @@
+"""The transformers capture backend equals transformers' own ``output_hidden_states`` (tiny random Llama)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.capture import CaptureBackend
+from eyas.capture.transformers_backend import TransformersBackend, token_budget_batches
+from eyas.records import TokenizedSample
+from eyas.store.fp8 import dequantize_fp8
+
+LAYERS = [0, 2, 4]  # output_of_layer ids of a 6-layer target
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = LlamaConfig(hidden_size=36, intermediate_size=70, num_hidden_layers=6, num_attention_heads=3,
+                      num_key_value_heads=1, head_dim=12, vocab_size=99, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def samples():
+    g = torch.Generator().manual_seed(3)
+    lengths = [13, 1, 29, 7, 29, 16, 3]
+    return [TokenizedSample(f"id{i}", torch.randint(0, 99, (n,), generator=g).tolist(), [1] * n)
+            for i, n in enumerate(lengths)]
+
+
+def _reference(model, s):
+    """``output_hidden_states`` of the sample alone (no padding): index i+1 is the output of layer i."""
+    with torch.no_grad():
+        out = model(torch.tensor([s.input_ids]), output_hidden_states=True)
+    hs = out.hidden_states
+    return torch.stack([hs[i + 1][0] for i in LAYERS], dim=1), hs[-1][0]  # [T, L, H], [T, H] (post-norm)
+
+
+@pytest.mark.parametrize("store_dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, None)])
+def test_states_equal_output_hidden_states(model, samples, store_dtype, atol):
+    backend = TransformersBackend(model, LAYERS, batch_tokens=60, store_dtype=store_dtype)
+    assert isinstance(backend, CaptureBackend)
+    got = {c.sample_id: c for c in backend.capture(samples)}
+    backend.close()
+    assert sorted(got) == sorted(s.id for s in samples)
+    for s in samples:
+        aux_ref, last_ref = _reference(model, s)
+        c = got[s.id]
+        assert c.input_ids.tolist() == s.input_ids
+        assert c.aux.dtype == store_dtype and c.aux.shape == (s.num_tokens, len(LAYERS), 36)
+        if atol is None:  # bf16: equal to the reference rounded to bf16, up to one rounding step
+            torch.testing.assert_close(c.aux.float(), aux_ref.bfloat16().float(), rtol=2**-7, atol=1e-6)
+            torch.testing.assert_close(c.last.float(), last_ref.bfloat16().float(), rtol=2**-7, atol=1e-6)
+        else:
+            torch.testing.assert_close(c.aux, aux_ref, rtol=0, atol=atol)
+            torch.testing.assert_close(c.last, last_ref, rtol=0, atol=atol)
+
+
+def test_fp8_capture_quantises_on_the_device(model, samples):
+    backend = TransformersBackend(model, LAYERS, batch_tokens=60, store_dtype=torch.bfloat16,
+                                  aux_format="float8_e4m3fn")
+    for c in backend.capture(samples[:3]):
+        aux_ref, _ = _reference(model, next(s for s in samples if s.id == c.sample_id))
+        assert c.aux.dtype == torch.float8_e4m3fn and c.aux_scale.shape == aux_ref.shape[:2]
+        back = dequantize_fp8(c.aux, c.aux_scale, torch.float32)
+        rel = (back - aux_ref).norm() / aux_ref.norm()
+        assert rel < 0.05
+    backend.close()
+
+
+def test_hooks_removed_on_close(model, samples):
+    before = [len(layer._forward_hooks) for layer in model.model.layers]
+    backend = TransformersBackend(model, LAYERS, batch_tokens=60, store_dtype=torch.float32)
+    assert [len(layer._forward_hooks) for layer in model.model.layers] == [
+        n + (i in LAYERS) for i, n in enumerate(before)]  # hooks only on the aux layers
+    backend.close()
+    assert [len(layer._forward_hooks) for layer in model.model.layers] == before
+
+
+def test_batches_of_whole_batch_subsets_are_reproduced():
+    lengths = [5, 9, 9, 3, 12, 1, 7, 7, 2, 30]
+    plan = list(token_budget_batches(lengths, 24))
+    assert all(lengths[b[0]] * len(b) <= 24 or len(b) == 1 for b in plan)
+    for keep in ([0, 2], [1], [len(plan) - 1, 1]):
+        keep = sorted(keep)
+        subset = [i for k in keep for i in plan[k]]
+        again = [[subset[j] for j in b] for b in token_budget_batches([lengths[i] for i in subset], 24)]
+        assert again == [plan[k] for k in keep]
