@@ -111,3 +111,160 @@ def test_ids_are_stable_and_content_based(tmp_path):
     assert convs[0].id == convs[1].id
     convs2, _, _ = _load(p)
     assert convs2[0].id == convs[0].id
+
+
+# ---- real-world quirks, each from a row of ../shared/data/train (docs/data.md explains each rule) ----
+
+def _row_file(tmp_path, row, name="x.jsonl"):
+    p = tmp_path / name
+    p.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    return p
+
+
+def _multiturn(shared):
+    return [json.loads(x) for x in (shared / "data" / "train" / "sharegpt_multiturn.jsonl").open(encoding="utf-8")]
+
+
+def test_real_system_prompt_is_kept_first(shared, tmp_path):
+    row = next(r for r in _multiturn(shared) if r["conversations"] and r["conversations"][0]["from"] == "system")  # id ufsbA0x_0
+    convs, skips, _ = _load(_row_file(tmp_path, row))
+    m = convs[0].messages
+    assert m[0].role == "system" and m[0].content == row["conversations"][0]["value"]
+    assert [x.role for x in m[1:3]] == ["user", "assistant"]
+    assert skips.total == 0
+
+
+def test_real_empty_turn_dropped_then_neighbours_merged(shared, tmp_path):
+    # line 137: gpt, human '', gpt, human, gpt -> the empty human turn goes, its two gpt neighbours meet
+    row = next(r for r in _multiturn(shared) if any(t["from"] == "human" and not t["value"].strip()
+                                                      for t in r["conversations"]))
+    convs, skips, _ = _load(_row_file(tmp_path, row))
+    assert skips.counts["empty turn dropped"] == 1
+    ex = skips.examples["empty turn dropped"][0]
+    blank = next(j for j, t in enumerate(row["conversations"]) if not t["value"].strip())
+    assert ex["field"] == f"turn {blank}"
+    msgs = convs[0].messages
+    assert all(m.content.strip() for m in msgs)
+    assert all(a.role != b.role for a, b in zip(msgs, msgs[1:]))
+
+
+def test_real_zero_width_only_turn_counts_as_empty(shared, tmp_path):
+    rows = json.loads((shared / "data" / "train" / "sharegpt_sg90k_sampled.json").read_text(encoding="utf-8"))
+    row = next(r for r in rows if [t["value"] for t in r["conversations"]] == ["\u200b"])  # id 5lXOVeW
+    convs, skips, stats = _load(_row_file(tmp_path, row))
+    assert convs == [] and stats["rows_skipped"] == 1
+    assert skips.counts == {"empty turn dropped": 1, "no user turn": 1}
+
+
+def test_real_very_long_turn_is_kept_whole(shared, tmp_path):
+    rows = _multiturn(shared)
+    row = max(rows, key=lambda r: max((len(t["value"]) for t in r["conversations"]), default=0))  # a 15,543-character turn
+    longest = max((t["value"] for t in row["conversations"]), key=len)
+    assert len(longest) > 15_000
+    convs, _, _ = _load(_row_file(tmp_path, row))
+    assert any(m.content == longest for m in convs[0].messages)  # not cut: tokenize truncates, and counts it
+
+
+def test_real_non_english_text_kept_byte_for_byte_with_a_stable_id(shared, tmp_path):
+    import re
+
+    row = next(r for r in _multiturn(shared)
+               if any(re.search(r"[\u4e00-\u9fff]", t["value"]) for t in r["conversations"]))
+    convs, _, _ = _load(_row_file(tmp_path, row))
+    texts = {m.content for m in convs[0].messages}
+    cjk = [t["value"] for t in row["conversations"] if re.search(r"[\u4e00-\u9fff]", t["value"])]
+    assert all(t in texts for t in cjk)  # no normalisation, no escaping
+    # the same row written as a JSON list (ASCII-escaped) gives the same sample id
+    p2 = tmp_path / "x.json"
+    p2.write_text(json.dumps([row], ensure_ascii=True))
+    convs2, _, _ = _load(p2)
+    assert convs2[0].id == convs[0].id
+
+
+# ---- parquet and the `datasets` library, from real rows ----
+
+def test_parquet_rows_load_like_their_jsonl(shared, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = _multiturn(shared)[:20]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sg.parquet")
+    jl = tmp_path / "sg.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from_pq, sk_pq, st_pq = _load(tmp_path / "sg.parquet")
+    from_jl, sk_jl, st_jl = _load(jl)
+    assert [c.id for c in from_pq] == [c.id for c in from_jl] and len(from_pq) > 10
+    assert sk_pq.counts == sk_jl.counts
+    assert from_pq[0].source == f"{tmp_path / 'sg.parquet'}:row 1"
+    alpaca = json.loads((shared / "data" / "train" / "alpaca_en_demo.json").read_text())[:7]
+    pq.write_table(pa.Table.from_pylist(alpaca), tmp_path / "al.parquet")
+    convs, _, stats = _load(tmp_path / "al.parquet", max_rows=5)
+    assert stats["rows_read"] == 5 and convs[0].messages[0].content.startswith(alpaca[0]["instruction"])
+
+
+def test_wrong_typed_parquet_column_is_a_counted_skip_with_its_field(shared, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [json.loads(x) for x in (shared / "data" / "train" / "gsm8k_train.jsonl").open()][:3]
+    table = pa.table({"question": [r["question"] for r in rows], "answer": [1, 2, 3]})  # answer: int64
+    pq.write_table(table, tmp_path / "g.parquet")
+    convs, skips, stats = _load(tmp_path / "g.parquet", fmt="gsm8k")
+    assert convs == [] and stats["rows_skipped"] == 3
+    assert skips.examples["field 'answer' is int, expected a string"][0] == {
+        "where": f"{tmp_path / 'g.parquet'}:row 1", "reason": "field 'answer' is int, expected a string",
+        "field": "answer"}
+
+
+def test_not_a_parquet_file_is_a_clear_error(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 but not really")
+    with pytest.raises(DataError, match="cannot read it as parquet"):
+        _load(tmp_path / "x.parquet")
+
+
+def test_datasets_folder_and_csv_load_like_the_jsonl(shared, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    src = shared / "data" / "train" / "gsm8k_train.jsonl"
+    rows = [json.loads(x) for x in src.open()][:12]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:8]),
+                               "test": datasets.Dataset.from_list(rows[8:])})
+    dd.save_to_disk(str(tmp_path / "gsm8k_disk"))
+    ref, _, _ = _load(src, max_rows=12)
+    train, _, st = _load(tmp_path / "gsm8k_disk")
+    assert [c.id for c in train] == [c.id for c in ref[:8]] and st["rows_read"] == 8
+    assert train[0].source == f"{tmp_path / 'gsm8k_disk'}[train]:row 1"
+    skips, stats = SkipCounter(), {}
+    test = list(load_source(SourceConfig(path=str(tmp_path / "gsm8k_disk"), split="test"), skips, stats))
+    assert [c.id for c in test] == [c.id for c in ref[8:]]
+    with pytest.raises(DataError, match="no split 'validation'"):
+        list(load_source(SourceConfig(path=str(tmp_path / "gsm8k_disk"), split="validation"), skips, {}))
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "gsm8k.csv"))
+    from_csv, _, _ = _load(tmp_path / "gsm8k.csv")
+    assert [c.id for c in from_csv] == [c.id for c in ref]
+
+
+def test_hub_source_without_network_is_a_clear_error(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
+    # offline: the library answers at once instead of waiting on a network this machine may not have
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match="hub:openai/gsm8k: the `datasets` library cannot load it"):
+        _load("hub:openai/gsm8k")
+
+
+def test_more_bad_input(tmp_path):
+    p = tmp_path / "types.jsonl"
+    p.write_text('[1, 2]\n{"conversations": "hi"}\n{"conversations": [{"from": "human"}]}\n'
+                 '{"conversations": [{"value": "x"}]}\n{"turns": ["a", 3]}\n')
+    convs, skips, stats = _load(p)
+    assert convs == [] and stats["rows_skipped"] == 5
+    fields = {e["where"].rsplit(":", 1)[1]: e["field"] for v in skips.examples.values() for e in v}
+    assert fields == {"1": "", "2": "conversations", "4": "conversations[0].from", "5": "turns",
+                      "3": ""}  # a turn with no text is empty; the row then has no user turn
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(DataError, match=r"bad\.json: invalid UTF-8 at byte 16"):
+        _load(bad)
+    (tmp_path / "x.xml").write_text("<a/>")
+    with pytest.raises(DataError, match="unknown file type '.xml'"):
+        _load(tmp_path / "x.xml")

@@ -9,22 +9,30 @@ Formats (``SourceConfig.format``; ``auto`` detects per row from its fields):
 - ``mt_bench``: ``{"turns": [str, ...]}`` (user turns only; replies come from generate)
 - ``prompts``:  ``{"prompt": str}`` / ``{"text": str}`` rows, or a bare JSON string per row
 
-Files: ``.json`` (a list of rows), ``.jsonl``, ``.parquet``. Rows are located as ``file:line`` (JSONL) or
-``file:row N`` (JSON list, parquet) in every error and skip record.
+Files: ``.json`` (a list of rows), ``.jsonl``, ``.parquet``, read directly. Anything else goes through the
+``datasets`` library (``pip install 'eyas[data]'``): a folder written by ``Dataset.save_to_disk``, a folder of
+data files (``load_dataset(folder)``), another data file type (``.csv``, ``.arrow``), or ``hub:<name>`` for a
+Hugging Face Hub dataset where the network allows it (``SourceConfig.subset`` and ``split`` choose what is read).
+Rows are located as ``file:line`` (JSONL), ``file:row N`` (JSON list, parquet) or ``name[split]:row N``
+(``datasets``) in every error and skip record.
 
 Normalisation rules (each counted in the prepare report):
 - roles: human/user -> user; gpt/assistant/chatgpt/bard/bing/model -> assistant; system -> system; anything else
   skips the row ("unknown role");
-- empty or whitespace-only turns are dropped;
+- empty turns (nothing but whitespace or invisible format characters such as U+200B) are dropped;
 - leading assistant turns (a conversation that starts with the assistant) are dropped;
 - a system turn is kept when it comes first; later system turns are dropped;
 - consecutive turns of the same role are merged, joined by a blank line;
-- a row with no user turn left is skipped.
+- a row with no user turn left is skipped;
+- text is kept byte for byte otherwise: no Unicode normalisation, no trimming, no length limit (long turns are
+  truncated by tokenize at ``tokenize.max_length`` tokens, and counted there).
+docs/data.md explains each rule with the dataset rows that need it.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +65,9 @@ def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow 
         raise DataError(f"{path}: file not found")
     suffix = path.suffix.lower()
     n = 0
+    if path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
+        yield from read_dataset_rows(str(path), max_rows=max_rows)
+        return
     if suffix == ".jsonl":
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
@@ -92,12 +103,61 @@ def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow 
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(path)
-        for i, row in enumerate(table.to_pylist()[:max_rows] if max_rows else table.to_pylist(), 1):
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install 'eyas[data]')") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow.ArrowInvalid and OSError for a truncated or foreign file
+            raise DataError(f"{path}: cannot read it as parquet ({type(e).__name__}: {e})") from None
+        if max_rows is not None:
+            table = table.slice(0, max_rows)
+        for i, row in enumerate(table.to_pylist(), 1):
             yield RawRow(f"{path}:row {i}", row), None
-    else:
-        raise DataError(f"{path}: unknown file type '{suffix}' (expected .json, .jsonl or .parquet)")
+
+
+def read_dataset_rows(
+    spec: str, split: str = "train", subset: str | None = None, max_rows: int | None = None
+) -> Iterator[tuple[RawRow, None]]:
+    """Yield the rows of a dataset loaded with the ``datasets`` library.
+
+    ``spec`` is a folder written by ``save_to_disk``, a folder or file that ``datasets.load_dataset`` reads (data
+    files such as ``.csv``/``.arrow``/``.jsonl``, or a loading script-free dataset folder), or ``hub:<name>``.
+    Rows are located as ``<spec>[<split>]:row N``.
+
+    Raises :class:`DataError` when ``datasets`` is not installed, the dataset or split does not exist, or it cannot
+    be read (the library's own message is included).
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{spec}: reading this source needs the `datasets` library "
+                        f"(pip install 'eyas[data]')") from None
+    name = spec[4:] if spec.startswith("hub:") else spec
+    local = Path(name)
+    try:
+        if not spec.startswith("hub:") and local.is_dir() and (
+            (local / "state.json").exists() or (local / "dataset_dict.json").exists()
+        ):
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(f"{spec}: no split '{split}' (splits: {', '.join(ds)}); set the source's split")
+                ds = ds[split]
+        elif not spec.startswith("hub:") and local.is_file():
+            builder = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow", ".txt": "text"}.get(local.suffix.lower())
+            if builder is None:
+                raise DataError(f"{spec}: unknown file type '{local.suffix}' (expected .json, .jsonl, .parquet, "
+                                f".csv, .arrow, or a dataset folder)")
+            ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+        else:
+            ds = datasets.load_dataset(name, subset, split=split)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ValueError, ...)
+        raise DataError(f"{spec}: the `datasets` library cannot load it ({type(e).__name__}: {e})") from None
+    if max_rows is not None:
+        ds = ds.select(range(min(max_rows, len(ds))))
+    for i, row in enumerate(ds, 1):
+        yield RawRow(f"{spec}[{split}]:row {i}", row), None
 
 
 def detect_format(row: object) -> str | None:
@@ -206,6 +266,12 @@ def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
     raise RowError(f"unknown format '{fmt}'")
 
 
+def is_blank(text: str) -> bool:
+    """True for text with nothing visible: whitespace and format characters (Unicode category Cf: U+200B zero-width
+    space, U+FEFF byte-order mark, ...) only. Seen in ShareGPT scrapes as turns holding a lone U+200B."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
+
+
 def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter) -> list[Message]:
     """Apply the documented normalisation rules; every dropped or merged turn is counted in ``skips``.
 
@@ -215,7 +281,7 @@ def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter
     msgs: list[Message] = []
     only_users = all(r == "user" for r, _ in turns)
     for j, (role, text) in enumerate(turns):
-        if not text.strip():
+        if is_blank(text):
             skips.add(SkipRecord(where, "empty turn dropped", f"turn {j}"))
             continue
         if role == "system":
@@ -240,13 +306,26 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
 
     ``stats`` receives ``rows_read``, ``rows_kept`` and ``rows_skipped`` for this source.
     """
-    path = resolve_path(src.path)
-    stats.update(rows_read=0, rows_kept=0, rows_skipped=0, turns=0)
-    for raw, bad in read_rows(path, src.max_rows):
+    stats.update(rows_read=0, rows_kept=0, rows_skipped=0, turns=0, skipped_by_reason={})
+    by_reason: dict[str, int] = stats["skipped_by_reason"]
+
+    def skip_row(rec: SkipRecord) -> None:
+        skips.add(rec)
+        stats["rows_skipped"] += 1
+        by_reason[rec.reason] = by_reason.get(rec.reason, 0) + 1
+
+    if src.path.startswith("hub:"):
+        rows = read_dataset_rows(src.path, src.split, src.subset, src.max_rows)
+    else:
+        path = resolve_path(src.path)
+        if path.exists() and (path.is_dir() or path.suffix.lower() not in (".json", ".jsonl", ".parquet")):
+            rows = read_dataset_rows(str(path), src.split, src.subset, src.max_rows)
+        else:
+            rows = read_rows(path, src.max_rows)
+    for raw, bad in rows:
         stats["rows_read"] += 1
         if bad is not None:
-            skips.add(bad)
-            stats["rows_skipped"] += 1
+            skip_row(bad)
             continue
         fmt = src.format if src.format != "auto" else detect_format(raw.data)
         try:
@@ -255,13 +334,11 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
                 raise RowError(f"cannot tell the format from the row's fields ({keys}); set format in the source")
             turns = row_to_turns(raw.data, fmt)
         except RowError as e:
-            skips.add(SkipRecord(raw.where, e.reason, e.field))
-            stats["rows_skipped"] += 1
+            skip_row(SkipRecord(raw.where, e.reason, e.field))
             continue
         msgs = normalise_turns(turns, raw.where, skips)
         if not any(m.role == "user" for m in msgs):
-            skips.add(SkipRecord(raw.where, "no user turn"))
-            stats["rows_skipped"] += 1
+            skip_row(SkipRecord(raw.where, "no user turn"))
             continue
         stats["rows_kept"] += 1
         stats["turns"] += len(msgs)
