@@ -84,6 +84,11 @@ class GenerateConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1, description="prompts generated together")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="a turn whose rendered prompt has at least this many tokens is not generated and "
+        "the conversation ends before it (set it to tokenize.max_length: those tokens would be cut anyway); "
+        "null: no limit"
+    )
     seed: int = 0
     openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig,
                                        description="backend 'openai' only: the server and how to talk to it")

@@ -100,6 +100,7 @@ def run(ctx: RunContext) -> dict:
     # Longest prompts first: the largest batches run while memory is fresh, and padding stays small.
     todo.sort(key=lambda c: -sum(len(m.content) for m in c.messages))
     finish_counts = {"stop": 0, "length": 0}
+    over_limit = 0  # turns not generated because their prompt reached generate.max_prompt_tokens
     bar = tqdm(total=len(convs), initial=len(done_ids), desc="generate", unit="conv", dynamic_ncols=True)
     with JsonlAppender(out_path) as w:
         for b in range(0, len(todo), cfg.batch_size):
@@ -128,8 +129,16 @@ def run(ctx: RunContext) -> dict:
                         if m.role == "user" and r < turn:
                             history.append(regenerated[i][r])
                             r += 1
+                    text = render_prompt(tok, [m.to_dict() for m in history], chat_template_kwargs=kwargs)
+                    if cfg.max_prompt_tokens and len(tok(text, add_special_tokens=False).input_ids) \
+                            >= cfg.max_prompt_tokens:
+                        n_turns[i] = turn  # this turn and later ones would start beyond the kept tokens
+                        over_limit += 1
+                        continue
                     idx.append(i)
-                    prompts.append(render_prompt(tok, [m.to_dict() for m in history], chat_template_kwargs=kwargs))
+                    prompts.append(text)
+                if not prompts:
+                    continue
                 outs = generate_batch(target.model, tok, prompts, cfg, cfg.seed + b + turn)
                 for i, (text, finish) in zip(idx, outs):
                     regenerated[i].append(Message("assistant", text))
@@ -137,8 +146,12 @@ def run(ctx: RunContext) -> dict:
             for c, s, reps in zip(batch, skel, regenerated):
                 msgs, r = [], 0
                 for m in s:
+                    if m.role == "user" and r == len(reps) and r > 0:
+                        break  # turns past max_prompt_tokens are dropped (no reply was generated)
                     msgs.append(m)
                     if m.role == "user":
+                        if r == len(reps):
+                            break  # first turn already over max_prompt_tokens: kept as a prompt, tokenize skips it
                         msgs.append(reps[r])
                         r += 1
                 w.append(Conversation(id=c.id, messages=msgs, source=c.source).to_json())
@@ -146,7 +159,8 @@ def run(ctx: RunContext) -> dict:
             bar.update(len(batch))
     bar.close()
     total = len(done_ids) + len(todo)
-    report = {"samples": total, "finish_reasons_this_run": finish_counts, "resumed_from": len(done_ids)}
+    report = {"samples": total, "finish_reasons_this_run": finish_counts, "resumed_from": len(done_ids),
+              "turns_over_max_prompt_tokens_this_run": over_limit}
     write_json_atomic(out_dir / "report.json", report)
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"]}
 
