@@ -89,7 +89,7 @@ class JsonlAppender:
     def __init__(self, path: Path, fsync_every: int = 1):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _truncate_torn_tail(self.path)
+        repair_jsonl_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
         self._n = 0
         self._fsync_every = max(1, fsync_every)
@@ -116,15 +116,16 @@ class JsonlAppender:
         self.close()
 
 
-def _truncate_torn_tail(path: Path) -> None:
+def repair_jsonl_tail(path: Path) -> None:
+    """Cut a torn last line (no trailing newline, from a crash mid-write) off a JSONL file."""
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
         f.seek(-1, os.SEEK_END)
         if f.read(1) == b"\n":
             return
-        data = f.seek(0) or f.read()
-        keep = data.rfind(b"\n") + 1
+        f.seek(0)
+        keep = f.read().rfind(b"\n") + 1
         f.truncate(keep)
 
 
