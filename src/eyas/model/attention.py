@@ -55,10 +55,12 @@ def sdpa_ttt(q: torch.Tensor, ks: list, vs: list, num_steps: int = 0) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(T, len(ks) - 1, q.device))
 
 
-def _flex_mask_mod(P: int):
+def _flex_mask_mod(P: int, current: torch.Tensor):
+    """The TTT mask over slots of P keys; ``current`` (an int tensor, so every step shares one compiled kernel)
+    is the step whose queries attend: slots after it are masked out."""
     def mask_mod(b, h, q_idx, kv_idx):
         step, pos = kv_idx // P, kv_idx % P
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
+        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (step <= current) & (pos == q_idx))
     return mask_mod
 
 
@@ -83,7 +85,8 @@ def flex_block_mask(T: int, step: int, num_steps: int, device: str):
     full_idx = torch.zeros(1, 1, nb, width, dtype=torch.int32, device=dev)
     full_idx[0, 0, :, :nb] = torch.arange(nb, dtype=torch.int32, device=dev)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=_flex_mask_mod(P), seq_lengths=(P, num_steps * P))
+                                    mask_mod=_flex_mask_mod(P, torch.tensor(step, device=dev)),
+                                    seq_lengths=(P, num_steps * P))
 
 
 @functools.lru_cache(maxsize=1)

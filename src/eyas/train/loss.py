@@ -74,7 +74,7 @@ def ttt_loss(step_logits: list[torch.Tensor], labels: TargetLabels, decay: float
     for k, logits in enumerate(step_logits):
         p = _shift(labels.probs, 1 + k)                                         # [B, T, Dv]
         m = _shift(labels.valid, 1 + k).float()                                 # [B, T]
-        logp = F.log_softmax(logits.float(), dim=-1)
+        logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         ce = -(p * logp).sum(-1)                                                # [B, T]
         n = m.sum()
         loss_k = (ce * m).sum() / n.clamp(min=1)
@@ -90,7 +90,7 @@ def ttt_loss(step_logits: list[torch.Tensor], labels: TargetLabels, decay: float
 def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor):
     """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w [B, c] -> (sum_r w_r CE_r, weighted argmax hits,
     dloss/dlogits fp32 [B, c, Dv]). CE against soft labels p: lse * sum(p) - sum(p * logits)."""
-    rw = row_w.float()
+    rw = row_w.to(logits.dtype)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)                         # [B, c, 1]
     psum = probs.sum(-1, keepdim=True)
     loss = (rw * (lse.squeeze(-1) * psum.squeeze(-1) - (probs * logits).sum(-1))).sum()
@@ -115,18 +115,19 @@ class _ChunkedSoftCE(torch.autograd.Function):
         cd = compute_dtype
         w_c = weight.to(cd)
         kernel = _soft_ce_kernel(compiled)
+        acc = torch.promote_types(weight.dtype, torch.float32)     # fp32 accumulation (fp64 in exactness tests)
         grad_x = torch.empty(B, T, H, dtype=x.dtype, device=x.device)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device)
+        loss = torch.zeros((), dtype=acc, device=x.device)
         hits = torch.zeros((), dtype=torch.float32, device=x.device)
         for a in range(0, T, chunk):
             xc = x[:, a: a + chunk].to(cd)                                      # [B, c, H]
-            logits = (xc @ w_c.T).float()                                       # [B, c, Dv]
+            logits = (xc @ w_c.T).to(acc)                                       # [B, c, Dv]
             loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk])
             loss, hits = loss + loss_c, hits + hits_c
             g = g.to(cd)
             grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
-            grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).float()
+            grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(hits)
@@ -159,13 +160,14 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
     cd = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else (
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else lm_head_weight.dtype)
     T = labels.probs.shape[1]
-    total = torch.zeros((), dtype=torch.float32, device=labels.probs.device)
+    acc = torch.promote_types(labels.probs.dtype, torch.float32)
+    total = torch.zeros((), dtype=acc, device=labels.probs.device)
     metrics: dict = {}
     for k, h in enumerate(step_hidden):
         n_rows = T - 1 - k                                   # positions whose label s = t+1+k exists
         if n_rows <= 0:
             continue
-        valid = labels.valid[:, 1 + k:].float()                                 # [B, n_rows]
+        valid = labels.valid[:, 1 + k:].to(acc)                                 # [B, n_rows]
         n = valid.sum().clamp(min=1)
         x = norm(h[:, :n_rows])                                                 # [B, n_rows, H]
         loss_k, hits = _ChunkedSoftCE.apply(x, lm_head_weight, labels.probs[:, 1 + k:], valid / n, chunk, cd,
