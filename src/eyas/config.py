@@ -119,12 +119,18 @@ class ExtractConfig(Section):
     aux_format: Literal["same", "float8_e4m3fn"] = Field(
         "same", description="aux states stored in `dtype` ('same') or fp8 e4m3 with one scale per token and layer"
     )
-    backend: Literal["transformers"] = Field("transformers", description="capture backend (eyas.capture)")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="capture backend (eyas.capture); vllm: its extract_hidden_states method"
+    )
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the target runs in while extracting; auto: bfloat16 on GPU, else target.dtype"
     )
     device_map: Literal["auto"] | None = Field(
         None, description="'auto' spreads a target larger than one GPU over all GPUs (accelerate); not with torchrun"
+    )
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="backend vllm: more vllm.EngineArgs (tensor_parallel_size, "
+        "gpu_memory_utilization, enforce_eager); the capture settings themselves cannot be overridden"
     )
 
 

@@ -6,7 +6,8 @@ Capture is keyed by sample id (FIELD_NOTES, extraction rule 1): the extract stag
 under an id it asked for, with the token ids it asked for, so warm-up or health-check requests of an engine can
 never reach the store.
 
-Backends: ``transformers`` (in-process, :mod:`eyas.capture.transformers_backend`). Config ``extract.backend``
+Backends: ``transformers`` (in-process, :mod:`eyas.capture.transformers_backend`); ``vllm`` (vLLM's own
+``extract_hidden_states`` method with Eyas's connector, :mod:`eyas.capture.vllm_backend`). Config ``extract.backend``
 selects one through :data:`BACKENDS`; a backend module exposes ``make_backend(target_cfg, extract_cfg, layer_ids,
 device)`` returning a :class:`CaptureBackend`, and ``engine_info(target_cfg, extract_cfg)`` (the engine identity
 recorded in the store header, without loading the model).
@@ -60,7 +61,7 @@ class CaptureBackend(Protocol):
 
 
 #: ``extract.backend`` value -> module exposing ``make_backend``.
-BACKENDS = {"transformers": "eyas.capture.transformers_backend"}
+BACKENDS = {"transformers": "eyas.capture.transformers_backend", "vllm": "eyas.capture.vllm_backend"}
 
 
 def make_backend(name: str, target_cfg, extract_cfg, layer_ids: list[int], device: str | None) -> CaptureBackend:
