@@ -52,6 +52,14 @@ class Eagle3Config:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def own_embedding(self) -> bool:
+        """A draft narrower (or wider) than the target cannot share the target's embedding table: it keeps its
+        own ``embed_tokens`` [V, H], trained and exported, which SGLang (llama_eagle3.py keeps the loaded table when
+        ``target_hidden_size != hidden_size``) and vLLM (llm_base_proposer.py ``_maybe_share_embeddings`` keeps
+        it when the widths differ) both load."""
+        return self.hidden_size != self.target_hidden_size
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (as transformers' LlamaRMSNorm)."""
@@ -209,7 +217,7 @@ class Eagle3DraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.requires_grad_(cfg.own_embedding)  # frozen copy of the target's when shared
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -220,9 +228,11 @@ class Eagle3DraftModel(nn.Module):
         self.gradient_checkpointing = False   # recompute each TTT step in backward (long sequences)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights an engine loads: everything but ``embed_tokens`` and the RoPE tables; plus d2t/t2d."""
+        """Weights an engine loads: everything but the RoPE tables and a shared ``embed_tokens``; plus d2t/t2d.
+        A draft with its own embedding (:attr:`Eagle3Config.own_embedding`) includes ``embed_tokens.weight``."""
+        own = self.config.own_embedding
         return {k: v for k, v in self.state_dict().items()
-                if not k.startswith("embed_tokens.") and not k.startswith("rotary.")}
+                if (own or not k.startswith("embed_tokens.")) and not k.startswith("rotary.")}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Dv] from a pre-norm hidden state [.., H]."""

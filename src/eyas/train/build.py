@@ -7,44 +7,55 @@ import torch
 
 from ..config import DraftConfig
 from ..errors import ConfigError
+from ..families import draft_attention_defaults, rope_parameters, text_config
 from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
 
 
 def rope_parameters_of(target_cfg: dict) -> dict:
-    """The target's RoPE settings as a transformers-5 ``rope_parameters`` dict (also reads the v4 fields)."""
-    rp = target_cfg.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return dict(rp)
-    rp = dict(target_cfg.get("rope_scaling") or {})
-    rp.setdefault("rope_type", rp.pop("type", "default"))
-    rp["rope_theta"] = float(target_cfg.get("rope_theta", 10000.0))
-    return rp
+    """The target's RoPE settings as a transformers-5 ``rope_parameters`` dict (v4 fields too; per-family rules,
+    e.g. Gemma 3's per-layer-type RoPE, in :func:`eyas.families.rope_parameters`)."""
+    return rope_parameters(target_cfg)
 
 
 def draft_config_for(target_cfg: dict, draft: DraftConfig, draft_vocab_size: int, num_aux_layers: int) -> Eagle3Config:
-    """The draft's :class:`Eagle3Config` for a target config dict; unset ``draft`` fields follow the target."""
-    Ht = int(target_cfg["hidden_size"])
+    """The draft's :class:`Eagle3Config` for a target config dict; unset ``draft`` fields follow the target
+    (per family: :func:`eyas.families.draft_attention_defaults`, e.g. ``head_dim = v_head_dim`` for MLA targets).
+
+    A draft narrower than the target (``draft.hidden_size < Ht``) gets ``target_hidden_size = Ht`` (``fc`` stays
+    ``3*Ht -> H``) and its own embedding table. Raises :class:`ConfigError` when the attention shape does not fit.
+    """
+    tc = text_config(target_cfg)
+    Ht = int(tc["hidden_size"])
     H = draft.hidden_size or Ht
-    if H != Ht:
-        raise ConfigError(
-            f"train.draft.hidden_size={H} differs from the target's {Ht}: the draft shares the target's embedding "
-            f"table, so it must be {Ht} in this version"
-        )
-    nh = draft.num_attention_heads or int(target_cfg["num_attention_heads"])
+    dflt = draft_attention_defaults(target_cfg)
+    nh = draft.num_attention_heads or dflt["num_attention_heads"]
+    nkv = draft.num_key_value_heads or min(dflt["num_key_value_heads"], nh)
+    if nh % nkv:
+        raise ConfigError(f"train.draft: num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}")
     return Eagle3Config(
         hidden_size=H,
-        intermediate_size=draft.intermediate_size or int(target_cfg["intermediate_size"]),
+        intermediate_size=draft.intermediate_size or dflt["intermediate_size"],
         num_attention_heads=nh,
-        num_key_value_heads=draft.num_key_value_heads or int(target_cfg.get("num_key_value_heads", nh)),
-        head_dim=draft.head_dim or int(target_cfg.get("head_dim") or H // nh),
+        num_key_value_heads=nkv,
+        head_dim=draft.head_dim or dflt["head_dim"],
         target_hidden_size=Ht,
-        vocab_size=int(target_cfg["vocab_size"]),
+        vocab_size=int(tc["vocab_size"]),
         draft_vocab_size=draft_vocab_size,
-        rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(target_cfg.get("max_position_embeddings", 4096)),
-        rope_parameters=rope_parameters_of(target_cfg),
+        rms_norm_eps=dflt["rms_norm_eps"],
+        max_position_embeddings=dflt["max_position_embeddings"],
+        rope_parameters=rope_parameters(target_cfg),
         num_aux_layers=num_aux_layers,
     )
+
+
+def projected_embedding(embed: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's embedding table [V, Ht] projected onto its ``width`` leading right-singular directions:
+    [V, width] fp32, the best rank-``width`` linear summary of the table (a starting point for a narrower draft's
+    own, trained, embedding). Uses torch's randomized low-rank SVD (seeded by the caller)."""
+    if width >= embed.shape[1]:
+        return embed[:, :width].float().clone()
+    _, _, v = torch.svd_lowrank(embed.float(), q=width, niter=4)   # v [Ht, width]
+    return embed.float() @ v
 
 
 def build_draft(cfg: Eagle3Config, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
@@ -53,7 +64,7 @@ def build_draft(cfg: Eagle3Config, embed: torch.Tensor, d2t: torch.Tensor, t2d: 
     torch.manual_seed(seed)
     model = Eagle3DraftModel(cfg)
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
+        model.embed_tokens.weight.copy_(projected_embedding(embed, cfg.hidden_size) if cfg.own_embedding else embed)
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model
