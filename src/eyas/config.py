@@ -166,6 +166,23 @@ class TrainConfig(Section):
     device: str = "auto"
     autocast: Literal["none", "bfloat16"] = Field("none", description="bf16 autocast (GPU)")
     draft: DraftConfig = Field(default_factory=DraftConfig)
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: states from the extract stage's store; online: the target runs in the "
+        "training job and makes each batch's states (nothing stored; extract is skipped)")
+    distributed: Literal["ddp", "fsdp"] = Field("ddp", description="under torchrun: DDP or FSDP2 (fully_shard)")
+    attention: Literal["sdpa", "flex"] = Field(
+        "sdpa", description="TTT attention kernel: sdpa (dense mask, short sequences) or flex (block-sparse, long)")
+    compile: bool = Field(False, description="torch.compile the per-step layer parts and the loss chunks (GPU)")
+    gradient_checkpointing: bool = Field(False, description="recompute each TTT step in backward (long sequences)")
+    batch_tokens: int | None = Field(
+        None, ge=8, description="micro-batches by token budget (length buckets, at most this many padded tokens) "
+        "instead of batch_size sequences")
+    eval_samples: int = Field(0, ge=0, description="samples held out of training and evaluated periodically")
+    eval_every: int = Field(100, ge=1, description="optimizer steps between held-out evaluations")
+    tensorboard: bool = Field(True, description="TensorBoard logs in RUN/train/tensorboard")
+    wandb_project: str | None = Field(None, description="log to this wandb project (when wandb is installed)")
+    init_from: str | None = Field(
+        None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d are kept")
 
 
 class ExportConfig(Section):

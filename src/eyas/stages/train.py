@@ -1,57 +1,161 @@
-"""train: the EAGLE-3 draft with training-time test, offline from the store.
+"""train: the EAGLE-3 draft with training-time test, offline from the store or online from the target.
 
-The draft vocabulary and layer ids are read from the run (vocab stage, store header), never recomputed.
-Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl`` and ``train/final/`` (``draft.safetensors`` +
-``draft_config.json``), from which export builds the engine folders.
+The draft vocabulary and layer ids are read from the run (vocab stage, store header), never recomputed; with
+``--init-from DRAFTER`` (``train.init_from``) the drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
+target in this job to make each batch's states (rounded to ``extract.dtype``, as the store would hold them, so
+offline and online train on the same numbers). Under ``torchrun`` every process runs this stage; process 0
+writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/tensorboard/`` and
+``train/final/`` (``draft.safetensors`` + ``draft_config.json``), from which export builds the engine folders.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
+from ..errors import EyasError
 from ..io import read_json, write_json_atomic
 from ..store import HiddenStateStore
+from ..store.shards import DTYPES as STORE_DTYPES
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
 from ..train.checkpoint import save_checkpoint  # noqa: F401  (re-exported for tools)
-from ..train.data import StoreDataset
-from ..train.loop import summarise_metrics, train
+from ..train.data import StoreDataset, TokenDataset, split_held_out
+from ..train.loop import StateSource, stored_states, summarise_metrics, train
 from . import RunContext, stage_fingerprint
-from .extract import store_path
+from .extract import expected_header, store_path
 from .tokenize import load_samples
 from .vocab import load_vocab
+
+
+class _Subset:
+    """A view of a dataset restricted to some indices (held-out split)."""
+
+    def __init__(self, ds, idx: list[int]):
+        self.ds, self.idx = ds, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def num_tokens(self, i: int) -> int:
+        return self.ds.num_tokens(self.idx[i])
+
+    def __getitem__(self, i: int) -> dict:
+        return self.ds[self.idx[i]]
+
+
+def online_states(ctx: RunContext, layer_ids: list[int]) -> StateSource:
+    """The target, loaded in this job, captures each batch's aux and post-norm last states (nothing is stored).
+    Values are rounded to ``extract.dtype`` exactly as the store would hold them."""
+    from ..capture.transformers_backend import TransformersCapture
+    from ..targets.load import load_target
+
+    target = load_target(ctx.cfg.target)
+    capture = TransformersCapture(target.model, layer_ids)
+    dt = STORE_DTYPES[ctx.cfg.extract.dtype]
+
+    def states(batch: dict, device: torch.device) -> dict:
+        aux, last = capture(batch["input_ids"].to(target.device), batch["attention_mask"].to(target.device))
+        B, T, L, H = aux.shape                                              # [B, T, L, Ht]
+        return {**batch, "aux": aux.to(dt).reshape(B, T, L * H).to(device), "last": last.to(dt).to(device)}
+
+    return states
+
+
+def _as_float(source: StateSource, dtype: torch.dtype) -> StateSource:
+    def states(batch: dict, device: torch.device) -> dict:
+        b = source(batch, device)
+        return {**b, "aux": b["aux"].to(dtype), "last": b["last"].to(dtype)}
+    return states
+
+
+def load_drafter(folder: Path, embed: torch.Tensor):
+    """An existing drafter to fine-tune: an Eyas ``train/final`` folder (``draft_config.json``) or an SGLang
+    folder (``config.json`` with ``LlamaForCausalLMEagle3``). Returns (model, aux layer ids or None).
+    Raises :class:`EyasError` when the folder is neither."""
+    from safetensors.torch import load_file
+
+    from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    if (folder / "draft_config.json").exists():
+        meta = read_json(folder / "draft_config.json")
+        model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
+        missing, unexpected = model.load_state_dict(load_file(str(folder / "draft.safetensors")), strict=False)
+        bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
+        if bad or unexpected:
+            raise EyasError(f"{folder}: draft weights do not match: missing {bad}, unexpected {unexpected}")
+        if model.config.hidden_size == model.config.target_hidden_size:   # else it saved its own table
+            with torch.no_grad():
+                model.embed_tokens.weight.copy_(embed)
+        return model, meta.get("aux_layer_ids")
+    if (folder / "config.json").exists():
+        from ..export.sglang import load_sglang_draft
+
+        return load_sglang_draft(folder, embed)
+    raise EyasError(f"train.init_from: {folder} has neither draft_config.json (Eyas) nor config.json (SGLang)")
 
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.train
     out = ctx.stage_dir("train")
-    d2t, t2d = load_vocab(ctx.stage_dir("vocab") / "vocab.safetensors")
-    store = HiddenStateStore.open(store_path(ctx))
     target_cfg = read_target_config(ctx.cfg.target)
-    dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(store.header.layer_ids))
     embed, lm_head = load_target_head(ctx.cfg.target)
-    model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
-    dataset = StoreDataset(load_samples(ctx), store, cfg.max_length)
+    samples = load_samples(ctx)
+    if cfg.mode == "offline":
+        store = HiddenStateStore.open(store_path(ctx))
+        header = store.header
+        dataset = StoreDataset(samples, store, cfg.max_length)
+        states = stored_states
+    else:
+        header = expected_header(ctx)
+        dataset = TokenDataset(samples, cfg.max_length)
+        states = online_states(ctx, header.layer_ids)
+    states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
+    layer_ids = header.layer_ids
+    if cfg.init_from:
+        model, their_layers = load_drafter(Path(cfg.init_from).expanduser(), embed)
+        dcfg = model.config
+        if their_layers is not None and list(their_layers) != list(layer_ids):
+            raise EyasError(f"train.init_from: {cfg.init_from} was trained on aux layers {their_layers}, this run "
+                            f"captures {layer_ids} ({header.layer_convention}); they must match")
+        if dcfg.vocab_size != int(embed.shape[0]) or dcfg.target_hidden_size != int(embed.shape[1]):
+            raise EyasError(f"train.init_from: {cfg.init_from} was made for a target of vocabulary "
+                            f"{dcfg.vocab_size} / hidden {dcfg.target_hidden_size}, this target has "
+                            f"{embed.shape[0]} / {embed.shape[1]}")
+        ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
+                f"kept; the run's vocab stage is not used)")
+    else:
+        d2t, t2d = load_vocab(ctx.stage_dir("vocab") / "vocab.safetensors")
+        dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
+        model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
+    train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
+    train_set, held_out = _Subset(dataset, train_idx), (_Subset(dataset, held_idx) if held_idx else None)
     device = resolve_device(cfg.device)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ctx.log(f"[eyas] train: {len(dataset)} samples, draft {n_params / 1e6:.1f}M trainable parameters, "
-            f"TTT {cfg.ttt_steps} steps, device {device}")
-    result = train(model, dataset, lm_head, cfg, out, device, stage_fingerprint(ctx.cfg, "train"), log=ctx.log)
+    ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "
+            f"{n_params / 1e6:.1f}M trainable parameters, TTT {cfg.ttt_steps} steps, device {device}")
+    result = train(model, train_set, lm_head, cfg, out, device, stage_fingerprint(ctx.cfg, "train"), log=ctx.log,
+                   states=states, held_out=held_out)
+    import torch.distributed as tdist
+
+    if tdist.is_initialized() and tdist.get_rank() != 0:
+        return {}
     final = out / "final"
     final.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.trainable_state_dict().items()},
+    save_file({k: v.detach().contiguous().cpu() for k, v in result.final_state.items()},
               str(final / "draft.safetensors"))
     write_json_atomic(final / "draft_config.json", {
-        "draft": dcfg.to_dict(), "aux_layer_ids": store.header.layer_ids,
-        "layer_convention": store.header.layer_convention, "target": store.header.target,
+        "draft": dcfg.to_dict(), "aux_layer_ids": layer_ids,
+        "layer_convention": header.layer_convention, "target": header.target,
         "ttt_steps": cfg.ttt_steps,
     })
     summary = summarise_metrics(out / "metrics.jsonl", cfg.ttt_steps)
-    summary.update(trainable_parameters=n_params, steps=result.steps)
+    summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
+                   tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1))
     return summary
 
 
@@ -75,4 +179,4 @@ def load_trained_draft(ctx: RunContext, device: torch.device):
     return model.to(device).eval(), meta
 
 
-__all__ = ["run", "load_trained_draft", "json"]
+__all__ = ["run", "load_trained_draft", "load_drafter", "online_states", "json"]

@@ -22,14 +22,19 @@ from ..errors import EyasError
 from ..io import fsync_dir
 
 
-def save_checkpoint(root: Path, step: int, model_state: dict, optimizer: torch.optim.Optimizer, state: dict,
+def save_checkpoint(root: Path, step: int, model_state: dict, optimizer_state: dict, state: dict,
                     keep_last: int) -> Path:
+    """Write ``step-{step:08d}`` atomically and delete all but the newest ``keep_last`` checkpoints.
+
+    ``model_state``: the draft's trainable tensors (names as the served checkpoint's); ``optimizer_state``: a
+    full optimizer state dict (:meth:`eyas.train.distributed.Dist.optimizer_state`); ``state``: JSON-able.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "draft.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:

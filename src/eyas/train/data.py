@@ -45,21 +45,45 @@ class StoreDataset:
                 "aux": st.aux[:n].reshape(n, L * H), "last": st.last[:n]}
 
 
+class TokenDataset:
+    """Online training: ``ds[i]`` -> dict of ``input_ids`` int64 [T], ``loss_mask`` [T], ``id`` (no stored states:
+    the target makes them per batch). Samples longer than ``max_length`` are cut to their first ``max_length``."""
+
+    def __init__(self, samples: list[TokenizedSample], max_length: int):
+        self.samples, self.max_length = samples, max_length
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def num_tokens(self, i: int) -> int:
+        return min(self.samples[i].num_tokens, self.max_length)
+
+    def __getitem__(self, i: int) -> dict:
+        s = self.samples[i]
+        n = min(s.num_tokens, self.max_length)
+        return {"id": s.id, "input_ids": torch.tensor(s.input_ids[:n], dtype=torch.int64),
+                "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64)}
+
+
 def collate(items: list[dict]) -> dict:
     """Right-pad a list of samples to the longest: ``input_ids`` [B, T], ``loss_mask`` [B, T] (0 on padding),
-    ``aux`` [B, T, L*Ht], ``last`` [B, T, Ht], ``ids`` list[str]."""
+    ``attention_mask`` [B, T] (1 on real tokens), ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] when the items have
+    them (offline), ``ids`` list[str]."""
     T = max(len(x["input_ids"]) for x in items)
     B = len(items)
     out = {
         "input_ids": torch.zeros(B, T, dtype=torch.int64),
         "loss_mask": torch.zeros(B, T, dtype=torch.int64),
-        "aux": torch.zeros(B, T, items[0]["aux"].shape[-1], dtype=items[0]["aux"].dtype),
-        "last": torch.zeros(B, T, items[0]["last"].shape[-1], dtype=items[0]["last"].dtype),
+        "attention_mask": torch.zeros(B, T, dtype=torch.int64),
         "ids": [x["id"] for x in items],
     }
+    states = [k for k in ("aux", "last") if k in items[0]]
+    for k in states:
+        out[k] = torch.zeros(B, T, items[0][k].shape[-1], dtype=items[0][k].dtype)
     for b, x in enumerate(items):
         n = len(x["input_ids"])
-        for k in ("input_ids", "loss_mask", "aux", "last"):
+        out["attention_mask"][b, :n] = 1
+        for k in ["input_ids", "loss_mask"] + states:
             out[k][b, :n] = x[k]
     return out
 
@@ -73,3 +97,54 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 def micro_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     order = epoch_order(n, seed, epoch)
     return [order[i: i + batch_size] for i in range(0, n, batch_size)]
+
+
+def split_held_out(n: int, held_out: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices): ``held_out`` samples chosen by a seeded permutation (fixed for a run)."""
+    if held_out <= 0:
+        return list(range(n)), []
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17)).tolist()
+    held = sorted(order[:held_out])
+    keep = set(held)
+    return [i for i in range(n) if i not in keep], held
+
+
+def epoch_plan(lengths: list[int], batch_size: int, world: int, seed: int, epoch: int,
+               batch_tokens: int | None = None) -> list[list[list[int]]]:
+    """The micro-batches of one epoch: a list of global micro-batches, each a list of ``world`` index lists (one
+    per process). A function of (lengths, settings, seed, epoch) only, so a resumed run sees the same batches.
+
+    Without ``batch_tokens``: ``batch_size * world`` samples of the epoch order per global micro-batch, process r
+    taking the r-th ``batch_size`` slice (so N processes see exactly one process's ``N * batch_size`` batch).
+    With ``batch_tokens`` (length buckets): the shuffled order is sorted by length within windows of 64 batches'
+    worth of samples, cut into batches of at most ``batch_tokens`` padded tokens (a longer sample alone), and the
+    batches are shuffled; ``world`` consecutive batches form a global micro-batch (a tail short of ``world`` is
+    dropped). Raises ``ValueError`` when the epoch has fewer samples than one global micro-batch needs.
+    """
+    order = epoch_order(len(lengths), seed, epoch)
+    if batch_tokens is None:
+        g = batch_size * world
+        out = [[order[i + r * batch_size: i + (r + 1) * batch_size] for r in range(world)]
+               for i in range(0, len(order) - g + 1, g)]
+        tail = order[len(out) * g:]
+        if tail and world == 1:
+            out.append([tail])
+    else:
+        window = max(1, 64 * max(1, batch_tokens // max(1, max(lengths))))
+        batches: list[list[int]] = []
+        for w in range(0, len(order), window):
+            chunk = sorted(order[w: w + window], key=lambda i: (-lengths[i], i))
+            cur: list[int] = []
+            for i in chunk:
+                if cur and lengths[cur[0]] * (len(cur) + 1) > batch_tokens:
+                    batches.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                batches.append(cur)
+        perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1))
+        batches = [batches[j] for j in perm.tolist()]
+        out = [batches[i: i + world] for i in range(0, len(batches) - world + 1, world)]
+    if not out:
+        raise ValueError(f"{len(lengths)} samples are fewer than one global micro-batch ({world} processes)")
+    return out

@@ -1,8 +1,10 @@
-"""The training loop, top to bottom: data, forward (TTT), loss, backward, step, log, checkpoint.
+"""The training loop, top to bottom: batch, target states, labels, forward (TTT), loss, backward, step, log,
+evaluate, checkpoint.
 
-Exact resume: the data order is a function of (seed, epoch) only, and a checkpoint holds the model, optimizer,
-scheduler position and the data position, so a resumed run continues with the same batches and, on CPU, the same
-loss trajectory step for step.
+Exact resume: the batches are a function of (seed, epoch) only (:func:`eyas.train.data.epoch_plan`), and a
+checkpoint holds the model, optimizer, step and data position, so a resumed run continues with the same batches
+and, on CPU, the same loss trajectory step for step. Distribution is the :class:`~eyas.train.distributed.Dist`
+context applied once; see that module for why N processes equal one process with an N times larger batch.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from ..config import TrainConfig
@@ -21,16 +26,45 @@ from ..errors import EyasError
 from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .data import StoreDataset, collate, micro_batches
-from .loss import target_labels, ttt_loss
+from .data import collate, epoch_plan
+from .distributed import Dist
+from .loss import TargetLabels, step_counts, target_labels, ttt_loss_fused
+
+# batch dict (from collate) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] on ``device``
+StateSource = Callable[[dict, torch.device], dict]
+
+
+def stored_states(batch: dict, device: torch.device) -> dict:
+    """Offline: the states came from the store with the batch; move them to the device."""
+    return {**batch, "aux": batch["aux"].to(device), "last": batch["last"].to(device)}
 
 
 @dataclass
 class TrainResult:
+    """``final_state``: the draft's trainable tensors (full, CPU; gathered under FSDP), on process 0 only."""
+
     steps: int
     tokens: int
     final_metrics: dict
     seconds: float
+    final_state: dict
+
+
+class DraftWithLoss(nn.Module):
+    """The unit the distribution wrapper wraps: the draft's TTT forward and the fused loss in one ``forward``, so
+    DDP's and FSDP2's hooks see every parameter the loss uses (``norm``, ``lm_head``) inside one call. The loss
+    itself lives in :mod:`eyas.train.loss`; the draft keeps the served checkpoint's attribute names."""
+
+    def __init__(self, draft: Eagle3DraftModel, cfg: TrainConfig):
+        super().__init__()
+        self.draft = draft
+        self.ttt_steps, self.decay, self.compiled = cfg.ttt_steps, cfg.ttt_decay, cfg.compile
+
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, labels: TargetLabels,
+                denominators: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        hiddens = self.draft(input_ids, aux, self.ttt_steps)
+        return ttt_loss_fused(hiddens, self.draft.norm, self.draft.lm_head.weight, labels, self.decay,
+                              compiled=self.compiled, denominators=denominators)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -43,94 +77,253 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
-def train(model: Eagle3DraftModel, dataset: StoreDataset, lm_head: torch.Tensor, cfg: TrainConfig,
-          out_dir: Path, device: torch.device, fingerprint: dict, log=print) -> TrainResult:
+class Plan:
+    """The global micro-batches of every epoch (cached per epoch) and the run's length in micro-batches."""
+
+    def __init__(self, dataset, cfg: TrainConfig, world: int):
+        self.lengths = [dataset.num_tokens(i) for i in range(len(dataset))]
+        self.cfg, self.world = cfg, world
+        self._cache: dict[int, list] = {}
+        self.per_epoch = len(self.epoch(0))
+        self.total_micro = max(1, math.ceil(cfg.epochs * self.per_epoch))
+
+    def epoch(self, e: int) -> list:
+        if e not in self._cache:
+            self._cache = {e: epoch_plan(self.lengths, self.cfg.batch_size, self.world, self.cfg.seed, e,
+                                         self.cfg.batch_tokens)}
+        return self._cache[e]
+
+    def micro(self, micro: int, rank: int) -> list[int]:
+        e, within = divmod(micro, self.per_epoch)
+        return self.epoch(e)[within][rank]
+
+
+def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainConfig, out_dir: Path,
+          device: torch.device, fingerprint: dict, log=print, *, states: StateSource = stored_states,
+          held_out=None, should_stop: Callable[[int], bool] | None = None) -> TrainResult:
     """Train ``model`` on ``dataset``; checkpoints and metrics go to ``out_dir``. Resumes from the last checkpoint.
 
-    Raises :class:`EyasError` when the loss or gradient norm is not finite (naming the step and sample ids), or
-    when a checkpoint in ``out_dir`` was made with another configuration.
+    Args:
+        dataset: ``len``, ``num_tokens(i)`` and ``ds[i]`` -> dict (``input_ids``, ``loss_mask``, ``id`` and, offline,
+            ``aux``/``last``): :class:`~eyas.train.data.StoreDataset` or :class:`~eyas.train.data.TokenDataset`.
+        lm_head: [V, Ht] the target's lm_head weight (soft labels come from it and the post-norm last state).
+        states: fills ``aux``/``last`` of a batch: :func:`stored_states` (offline) or the target run on the batch
+            (online, :func:`eyas.stages.train.online_states`).
+        held_out: a dataset like ``dataset`` evaluated every ``cfg.eval_every`` steps (no gradient).
+        should_stop: called after each optimizer step with the step number; True checkpoints and returns (tests,
+            schedulers that pre-empt).
+    Raises:
+        EyasError: when the loss or gradient norm is not finite (naming the step and sample ids), or when a
+            checkpoint in ``out_dir`` was made with another configuration.
     """
+    dist = Dist.from_env(device, cfg.distributed)
+    device = dist.device
     model.to(device)
+    model.set_attention(cfg.attention)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    if cfg.compile:
+        model.compile_ttt()
     lm_head = lm_head.to(device)
-    draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()
-    t2d = model.t2d
-    params = [p for p in model.parameters() if p.requires_grad]
+    trainable_keys = set(model.trainable_state_dict())
+    step_module = dist.wrap(DraftWithLoss(model, cfg))
+    params = [p for p in step_module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(dataset) / cfg.batch_size)
-    total_micro = math.ceil(cfg.epochs * per_epoch)
-    total_steps = math.ceil(total_micro / cfg.grad_accum)
+    plan = Plan(dataset, cfg, dist.world)
+    total_steps = math.ceil(plan.total_micro / cfg.grad_accum)
     ckpt_dir = out_dir / "checkpoints"
 
-    step, micro = 0, 0
-    ckpts = list_checkpoints(ckpt_dir)
-    if ckpts:
-        model_state, opt_state, state = load_checkpoint(ckpts[-1], device)
-        if state.get("fingerprint") != fingerprint:
-            raise EyasError(f"{ckpts[-1]} was written with another configuration; use --force to restart training")
-        model.load_state_dict(model_state, strict=False)
-        opt.load_state_dict(opt_state)
-        step, micro = state["step"], state["micro"]
-        log(f"[eyas] train: resuming from {ckpts[-1].name} (step {step} of {total_steps})")
-
-    metrics_log = JsonlAppender(out_dir / "metrics.jsonl", fsync_every=1 << 30)
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    step, micro = _resume(ckpt_dir, step_module, opt, dist, fingerprint, out_dir, log, total_steps)
+    draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()   # after resume: the run's
+    t2d = model.t2d
+    writers = _Writers(out_dir, cfg, dist) if dist.is_main else None
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+               disable=not dist.is_main)
     t0, tokens_seen, last_metrics = time.time(), 0, {}
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
-    model.train()
+    K = cfg.ttt_steps
+    step_module.train()
     while step < total_steps:
         # ---- one optimizer step: grad_accum micro-batches
         lr = lr_at(step, total_steps, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        agg: dict = {}
+        sums = torch.zeros(3 + 3 * K, dtype=torch.float64, device=device)  # loss, n, tokens, loss_k, hits_k, count_k
         batch_ids: list[str] = []
         for _ in range(cfg.grad_accum):
-            if micro >= total_micro:
+            if micro >= plan.total_micro:
                 break
-            epoch, within = divmod(micro, per_epoch)
-            idx = micro_batches(len(dataset), cfg.batch_size, cfg.seed, epoch)[within]
-            batch = collate([dataset[i] for i in idx])
+            batch = states(collate([dataset[i] for i in plan.micro(micro, dist.rank)]), device)
             batch_ids += batch["ids"]
-            ids = batch["input_ids"].to(device)
-            mask = batch["loss_mask"].to(device)
-            aux = batch["aux"].to(device).float()
-            last = batch["last"].to(device).float()
-            labels = target_labels(last, lm_head, draft_ids, t2d, mask)
+            ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+            labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
+            counts = dist.all_reduce(step_counts(labels, K))                       # [K], global batch
             with autocast:
-                hiddens = model(ids, aux, cfg.ttt_steps)
-                logits = [model.logits(h) for h in hiddens]
-            loss, m = ttt_loss(logits, labels, cfg.ttt_decay)
-            (loss / cfg.grad_accum).backward()
+                loss, m = step_module(ids, batch["aux"], labels, counts)
+            (loss * dist.world / cfg.grad_accum).backward()  # DDP/FSDP average; the global loss is the sum
             micro += 1
-            tokens_seen += int(mask.numel())
-            for k, v in m.items():
-                agg[k] = agg.get(k, 0) + v
-            agg["loss"] = agg.get("loss", 0) + loss.item()
-            agg["n"] = agg.get("n", 0) + 1
+            one = torch.ones((), dtype=torch.float64, device=device)
+            sums += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double().to(device)]
+                                + [m[f"loss_{k}"].double() for k in range(K)]
+                                + [m[f"hits_{k}"].double() for k in range(K)] + list(counts.double()))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        if not (math.isfinite(agg["loss"]) and torch.isfinite(grad_norm)):
-            raise EyasError(f"train: non-finite loss ({agg['loss']}) or gradient norm ({float(grad_norm)}) at step "
-                            f"{step}; samples in this step: {', '.join(batch_ids)}")
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # one host sync per step: the global sums (loss terms summed over processes, counts already global)
+        sums[:3 + 2 * K] = dist.all_reduce(sums[:3 + 2 * K].clone())
+        vals = sums.tolist()
+        n_micro = vals[1] / dist.world
+        loss_val = vals[0] / max(n_micro, 1)
+        tokens_seen += int(vals[2])
+        if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
+            raise EyasError(f"train: non-finite loss ({loss_val}) or gradient norm ({float(grad_norm)}) at step "
+                            f"{step + 1}; samples in this step: {', '.join(batch_ids)}")
         opt.step()
         step += 1
-        n = agg.pop("n")
-        last_metrics = {k: (v / n if not k.startswith("count_") else v) for k, v in agg.items()}
-        last_metrics.update(step=step, lr=lr, grad_norm=float(grad_norm),
-                            tokens_per_s=tokens_seen / max(time.time() - t0, 1e-9))
-        metrics_log.append(last_metrics)
+        last_metrics = {"step": step, "loss": loss_val}
+        for k in range(K):
+            cnt = vals[3 + 2 * K + k]
+            last_metrics[f"loss_{k}"] = vals[3 + k] / max(n_micro, 1)
+            last_metrics[f"acc_{k}"] = vals[3 + K + k] / max(cnt, 1)
+            last_metrics[f"count_{k}"] = int(cnt)
+        elapsed = max(time.time() - t0, 1e-9)
+        last_metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens_seen, tokens_per_s=tokens_seen / elapsed)
+        if device.type == "cuda":
+            last_metrics["gpu_max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        if held_out is not None and len(held_out) and (step % cfg.eval_every == 0 or step == total_steps):
+            last_metrics.update(evaluate_held_out(step_module, held_out, states, lm_head, draft_ids, t2d, cfg, dist,
+                                                  autocast))
+        if writers:
+            writers.log(last_metrics)
         bar.update(1)
         if step % cfg.log_every == 0 or step == total_steps:
-            accs = " ".join(f"{last_metrics.get(f'acc_{k}', 0):.2f}" for k in range(cfg.ttt_steps))
-            bar.set_postfix_str(f"loss {last_metrics['loss']:.3f} acc {accs}")
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
-            metrics_log.flush()
-            save_checkpoint(ckpt_dir, step, model.trainable_state_dict(), opt,
-                            {"step": step, "micro": micro, "total_steps": total_steps, "fingerprint": fingerprint,
-                             "metrics": last_metrics}, cfg.keep_last)
+            accs = " ".join(f"{last_metrics[f'acc_{k}']:.2f}" for k in range(K))
+            bar.set_postfix_str(f"loss {loss_val:.3f} acc {accs} {last_metrics['tokens_per_s']:.0f} tok/s")
+        stop = should_stop is not None and should_stop(step)
+        if step % cfg.checkpoint_every == 0 or step == total_steps or stop:
+            _checkpoint(ckpt_dir, step, micro, total_steps, fingerprint, last_metrics, step_module, opt, dist,
+                        trainable_keys, cfg.keep_last, writers)
+        if stop:
+            break
     bar.close()
-    metrics_log.close()
-    return TrainResult(steps=step, tokens=tokens_seen, final_metrics=last_metrics, seconds=time.time() - t0)
+    if writers:
+        writers.close()
+    full = dist.model_state(step_module)
+    final_state = {k[len("draft."):]: v for k, v in full.items() if k[len("draft."):] in trainable_keys}
+    return TrainResult(steps=step, tokens=tokens_seen, final_metrics=last_metrics, seconds=time.time() - t0,
+                       final_state=final_state if dist.is_main else {})
+
+
+@torch.no_grad()
+def evaluate_held_out(step_module, held_out, states: StateSource, lm_head, draft_ids, t2d, cfg: TrainConfig,
+                      dist: Dist, autocast) -> dict:
+    """Loss and per-step accuracy on the held-out samples (each process takes every world-th batch):
+    ``eval_loss`` = sum_k decay^k (held-out CE of step k averaged over its counted positions), ``eval_acc_k``."""
+    K = cfg.ttt_steps
+    sums = torch.zeros(3 * K, dtype=torch.float64, device=dist.device)     # ce_k sums, hits_k, counts_k
+    step_module.eval()
+    idx = list(range(len(held_out)))
+    for b in range(dist.rank * cfg.batch_size, len(idx), cfg.batch_size * dist.world):
+        batch = states(collate([held_out[i] for i in idx[b: b + cfg.batch_size]]), dist.device)
+        mask = batch["loss_mask"].to(dist.device)
+        labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
+        ones = torch.ones(K, device=dist.device)        # denominators 1: the loss terms are CE sums
+        with autocast:
+            _, m = step_module(batch["input_ids"].to(dist.device), batch["aux"], labels, ones)
+        sums += torch.tensor([float(m[f"loss_{k}"]) for k in range(K)] + [float(m[f"hits_{k}"]) for k in range(K)]
+                             + [float(m[f"count_{k}"]) for k in range(K)], dtype=torch.float64, device=dist.device)
+    step_module.train()
+    vals = dist.all_reduce(sums).tolist()
+    out = {"eval_loss": sum(cfg.ttt_decay ** k * vals[k] / max(vals[2 * K + k], 1) for k in range(K))}
+    for k in range(K):
+        out[f"eval_acc_{k}"] = vals[K + k] / max(vals[2 * K + k], 1)
+    return out
+
+
+def _resume(ckpt_dir: Path, step_module, opt, dist: Dist, fingerprint: dict, out_dir: Path, log,
+            total_steps: int) -> tuple[int, int]:
+    ckpts = list_checkpoints(ckpt_dir)
+    if not ckpts:
+        return 0, 0
+    model_state, opt_state, state = load_checkpoint(ckpts[-1], torch.device("cpu"))
+    if state.get("fingerprint") != fingerprint:
+        raise EyasError(f"{ckpts[-1]} was written with another configuration; use --force to restart training")
+    dist.load_states(step_module, opt, {f"draft.{k}": v for k, v in model_state.items()}, opt_state)
+    step, micro = state["step"], state["micro"]
+    if dist.is_main:  # metrics logged after the checkpoint (a run killed between the two) are dropped
+        _truncate_metrics(out_dir / "metrics.jsonl", step)
+    dist.barrier()
+    log(f"[eyas] train: resuming from {ckpts[-1].name} (step {step} of {total_steps})")
+    return step, micro
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    rows = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def _checkpoint(ckpt_dir, step, micro, total_steps, fingerprint, metrics, step_module, opt, dist: Dist,
+                trainable_keys: set, keep_last: int, writers) -> None:
+    model_state = dist.model_state(step_module)        # every process takes part (FSDP gathers)
+    opt_state = dist.optimizer_state(step_module, opt)
+    if dist.is_main:
+        if writers:
+            writers.flush()
+        draft_state = {k[len("draft."):]: v for k, v in model_state.items() if k[len("draft."):] in trainable_keys}
+        save_checkpoint(ckpt_dir, step, draft_state, opt_state,
+                        {"step": step, "micro": micro, "total_steps": total_steps, "fingerprint": fingerprint,
+                         "metrics": metrics, "world": dist.world}, keep_last)
+    dist.barrier()
+
+
+class _Writers:
+    """metrics.jsonl always; TensorBoard (``train.tensorboard``) and wandb (``train.wandb_project``) when asked."""
+
+    def __init__(self, out_dir: Path, cfg: TrainConfig, dist: Dist):
+        self.jsonl = JsonlAppender(out_dir / "metrics.jsonl", fsync_every=1 << 30)
+        self.tb = self.wandb = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("train.tensorboard is true but the tensorboard package is not installed "
+                              "(pip install tensorboard); TensorBoard logging is off", stacklevel=2)
+            else:
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        if cfg.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                warnings.warn(f"train.wandb_project={cfg.wandb_project!r} is set but wandb is not installed "
+                              f"(pip install wandb); wandb logging is off", stacklevel=2)
+            else:
+                self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out_dir), config=cfg.model_dump(),
+                                        resume="allow")
+
+    def log(self, m: dict) -> None:
+        self.jsonl.append(m)
+        step = m["step"]
+        if self.tb is not None:
+            for k, v in m.items():
+                if k == "step" or k.startswith("count_"):
+                    continue
+                group = ("eval" if k.startswith("eval_") else "ttt" if k[-1].isdigit() else "train")
+                self.tb.add_scalar(f"{group}/{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log(m, step=step)
+
+    def flush(self) -> None:
+        self.jsonl.flush()
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def summarise_metrics(path: Path, ttt_steps: int, last_fraction: float = 0.1) -> dict:
@@ -143,4 +336,9 @@ def summarise_metrics(path: Path, ttt_steps: int, last_fraction: float = 0.1) ->
            "first_loss": rows[0]["loss"], "steps": rows[-1]["step"]}
     for k in range(ttt_steps):
         out[f"acc_{k}"] = sum(r.get(f"acc_{k}", 0.0) for r in tail) / len(tail)
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        out["eval_loss"] = evals[-1]["eval_loss"]
+        for k in range(ttt_steps):
+            out[f"eval_acc_{k}"] = evals[-1][f"eval_acc_{k}"]
     return out

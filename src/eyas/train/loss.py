@@ -110,7 +110,7 @@ class _ChunkedSoftCE(torch.autograd.Function):
     [T, Dv] per TTT step. Also returns the weighted count of argmax agreements (no gradient)."""
 
     @staticmethod
-    def forward(ctx, x, weight, probs, row_w, chunk: int, compute_dtype, compiled: bool):
+    def forward(ctx, x, weight, probs, row_w, chunk: int, compute_dtype, compiled: bool, need_grad: bool):
         B, T, H = x.shape
         cd = compute_dtype
         w_c = weight.to(cd)
@@ -125,6 +125,8 @@ class _ChunkedSoftCE(torch.autograd.Function):
             logits = (xc @ w_c.T).to(acc)                                       # [B, c, Dv]
             loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk])
             loss, hits = loss + loss_c, hits + hits_c
+            if not need_grad:
+                continue
             g = g.to(cd)
             grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
             grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
@@ -136,12 +138,13 @@ class _ChunkedSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
         grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None, None
+        none = (None,) * 6
+        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype)) + none
 
 
 def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_head_weight: torch.Tensor,
-                   labels: TargetLabels, decay: float, chunk: int = 2048, compiled: bool = False
-                   ) -> tuple[torch.Tensor, dict]:
+                   labels: TargetLabels, decay: float, chunk: int = 2048, compiled: bool = False,
+                   denominators: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The same loss as :func:`ttt_loss`, computed from the pre-norm hidden states with the draft lm_head fused
     into the cross-entropy (no [T, Dv] logits kept for backward; chunks of ``chunk`` positions).
 
@@ -153,9 +156,12 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
         decay: step k is weighted decay**k.
         chunk: positions per chunk (memory O(chunk x Dv)).
         compiled: run the per-chunk elementwise work through ``torch.compile`` (one fused kernel; GPU).
+        denominators: [K] the counted positions per step to divide by (default: this batch's,
+            :func:`step_counts`); the distributed loop passes the counts of the global batch, all processes summed.
     Returns:
-        (loss scalar fp32, metrics dict with ``loss_k``, ``acc_k``, ``count_k`` as :func:`ttt_loss`). The metric
-        values stay tensors on the device (no host sync inside the step); :func:`metrics_to_host` converts them.
+        (loss scalar fp32, metrics dict with ``loss_k``, ``acc_k``, ``count_k`` as :func:`ttt_loss`, plus
+        ``hits_k``, the count of argmax agreements). The metric values stay tensors on the device (no host sync
+        inside the step); :func:`metrics_to_host` converts them.
     """
     cd = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else (
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else lm_head_weight.dtype)
@@ -168,15 +174,22 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
         if n_rows <= 0:
             continue
         valid = labels.valid[:, 1 + k:].to(acc)                                 # [B, n_rows]
-        n = valid.sum().clamp(min=1)
+        n = (valid.sum() if denominators is None else denominators[k].to(acc)).clamp(min=1)
         x = norm(h[:, :n_rows])                                                 # [B, n_rows, H]
+        need_grad = torch.is_grad_enabled() and (x.requires_grad or lm_head_weight.requires_grad)
         loss_k, hits = _ChunkedSoftCE.apply(x, lm_head_weight, labels.probs[:, 1 + k:], valid / n, chunk, cd,
-                                             compiled)
+                                             compiled, need_grad)
         total = total + (decay ** k) * loss_k
         metrics[f"loss_{k}"] = loss_k.detach()
         metrics[f"acc_{k}"] = hits / n
         metrics[f"count_{k}"] = valid.sum()
+        metrics[f"hits_{k}"] = hits
     return total, metrics
+
+
+def step_counts(labels: TargetLabels, ttt_steps: int) -> torch.Tensor:
+    """fp32 [K]: the positions step k counts in this batch (valid labels at s >= 1 + k)."""
+    return torch.stack([labels.valid[:, 1 + k:].sum() for k in range(ttt_steps)]).float()
 
 
 def metrics_to_host(metrics: dict) -> dict:

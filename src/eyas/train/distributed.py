@@ -1,0 +1,112 @@
+"""Distribution, applied in one place: a small context object that is a no-op on one process.
+
+``torchrun --nproc-per-node N -m eyas.cli train CONFIG`` starts N processes; :meth:`Dist.from_env` joins them
+(NCCL on CUDA, gloo on CPU) and :meth:`Dist.wrap` wraps the draft once, with DDP or FSDP2 (``fully_shard``), as
+``train.distributed`` says. The loop never asks whether it is distributed: it calls :meth:`Dist.all_reduce`,
+:meth:`Dist.model_state` and friends, which are identities on one process.
+
+Exactness across process counts: each TTT step's loss is a mean over the counted positions of the *global* batch
+(the per-step counts are all-reduced before the loss), and each process scales its loss by the world size so that
+DDP's / FSDP2's gradient averaging yields the global batch's gradient. Hence N processes with micro-batch B give the
+same loss and gradients as one process with micro-batch N*B (tested on CPU with gloo).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Strategy = Literal["ddp", "fsdp"]
+
+
+@dataclass
+class Dist:
+    """rank/world of this process and the device it computes on."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    strategy: Strategy = "ddp"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device: torch.device, strategy: Strategy = "ddp") -> "Dist":
+        """Join the process group when started by torchrun (``WORLD_SIZE`` > 1), else a single-process context.
+        On CUDA each process takes ``cuda:LOCAL_RANK``."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(0, 1, device, strategy)
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), device, strategy)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as the loop trains it: unchanged on one process; DDP or FSDP2 (``fully_shard`` on the decoder
+        layer and on the whole draft) on several."""
+        if self.world == 1:
+            return model
+        if self.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
+                                           else None)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        draft = getattr(model, "draft", model)        # the loop wraps DraftWithLoss(draft)
+        fully_shard(draft.midlayer, mesh=mesh)
+        register_fsdp_forward_method(draft.midlayer, "ttt_step")   # TTT calls ttt_step, not forward
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over processes (in place; returned for chaining). Identity on one process."""
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def model_state(self, model: nn.Module) -> dict:
+        """The full (unsharded) model state dict on every process, on the CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state(self, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+        """The full optimizer state dict keyed by parameter names, on the CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_states(self, model: nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict) -> None:
+        """Load full states (as :meth:`model_state` / :meth:`optimizer_state` made them) into a wrapped model."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, model_state, options=opts)
+        set_optimizer_state_dict(model, opt, opt_state, options=opts)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The draft inside a DDP wrapper (FSDP2 modifies the module in place, so it is the module itself)."""
+    return getattr(model, "module", model)
