@@ -65,9 +65,29 @@ def _stage_command(stage: str):
     return command
 
 
+def _train_command():
+    run_train = _stage_command("train")
+
+    def command(
+        config: str = typer.Argument(..., help=CONFIG_HELP),
+        overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+        force: bool = typer.Option(False, "--force", help="Redo 'train' (and clear every later stage)."),
+        init_from: Optional[str] = typer.Option(
+            None, "--init-from", help="Fine-tune this drafter folder (Eyas train/final or SGLang format), keeping "
+            "its draft vocabulary (d2t); same as train.init_from=DRAFTER."),
+    ) -> None:
+        import json
+
+        extra = [f"train.init_from={json.dumps(init_from)}"] if init_from else []
+        run_train(config, list(overrides or []) + extra, force)
+
+    command.__doc__ = "Run only the 'train' stage (earlier stages must have finished)."
+    return command
+
+
 for _s in STAGES:
     app.command(name=_s, help=(__import__(f"eyas.stages.{_s}", fromlist=["_"]).__doc__ or "").split("\n")[0])(
-        _stage_command(_s))
+        _train_command() if _s == "train" else _stage_command(_s))
 
 
 @app.command()
@@ -142,6 +162,46 @@ def _print_doctor(report, as_json: bool) -> None:
         out.print(t)
         if len(report.findings) > 40:
             out.print(f"... and {len(report.findings) - 40} more (--json lists all)")
+
+
+@app.command()
+def plan(
+    config: str = typer.Argument(..., help=CONFIG_HELP),
+    overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    sample: int = typer.Option(200, "--sample", help="Conversations of prepare.sources rendered to measure tokens."),
+    prefill_tokens_per_s: Optional[float] = typer.Option(
+        None, "--prefill-tokens-per-s", help="Measured prefill throughput per GPU (default: from FLOPs at 35% MFU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
+) -> None:
+    """Estimate a run before it starts: tokens, hidden-state bytes (bf16 and fp8) and prefill GPU-hours, from the
+    config, the target's config.json and tokenizer, and a sample of the data (no weights needed)."""
+    from .plan import human_bytes
+    from .plan import plan as make_plan
+
+    try:
+        p = make_plan(load_config(config, overrides), sample=sample, prefill_tokens_per_s=prefill_tokens_per_s)
+    except EyasError as e:
+        _fail(e)
+    if as_json:
+        Console().print_json(data=p.to_json())
+        return
+    t = Table(title=f"Eyas plan: {config}", show_header=True, header_style="bold")
+    t.add_column("what")
+    t.add_column("value", overflow="fold")
+    t.add_row("target", f"{p.family}, {p.num_layers} layers, hidden {p.hidden_size}, vocab {p.vocab_size}, "
+              f"{p.total_parameters / 1e9:.1f}B parameters ({p.active_parameters / 1e9:.1f}B active)")
+    t.add_row("aux layers (output_of_layer)", f"{p.layer_ids} + last hidden state")
+    t.add_row("tokens per sample", f"{p.mean_tokens_per_sample:.1f} (mean of {p.sampled_samples} rendered)")
+    t.add_row("dataset", f"{p.dataset_samples} samples, {p.dataset_tokens:,} tokens")
+    for k, label in (("bfloat16", "bf16"), ("fp8", "fp8 aux")):
+        t.add_row(f"store, {label}", f"{p.bytes_per_token[k]:,} B/token ({p.bytes_per_token[k] / 1024:.1f} KiB); "
+                  f"dataset {human_bytes(p.dataset_bytes[k])}; per 100K samples {human_bytes(p.bytes_per_100k_samples[k])}")
+    t.add_row("prefill GPU-hours", f"dataset {p.dataset_prefill_gpu_hours:.2f}; per 100K samples "
+              f"{p.prefill_gpu_hours_per_100k_samples:.2f} ({p.prefill_tokens_per_s:,.0f} tokens/s per GPU: "
+              f"{p.prefill_assumption})")
+    for n in p.notes:
+        t.add_row("note", n)
+    Console().print(t)
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:

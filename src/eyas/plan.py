@@ -1,0 +1,231 @@
+"""``eyas plan``: what a run will cost before it starts: tokens, hidden-state bytes, prefill GPU-hours.
+
+From the config and a sample of the configured data, never the target's weights (a ``config.json`` and a tokenizer
+are enough, so a 1T-parameter target can be planned on a laptop):
+
+- tokens: the first ``sample`` conversations of ``prepare.sources`` are rendered with the target's own chat template
+  and tokenizer exactly as ``tokenize`` will (:func:`eyas.data.chat.render_conversation`), cut to
+  ``tokenize.max_length``; with ``generate.enabled`` every assistant turn is counted at most
+  ``generate.max_new_tokens + 1`` tokens (the reply plus its end-of-turn token) and a prompt-only row as its
+  prompt plus one such reply (an upper bound: replies can stop early). The mean is extrapolated to the dataset
+  size (rows of the sources, capped by ``prepare.max_samples``) and to 100K samples.
+- bytes per token, as the store writes them (:mod:`eyas.store.shards`): ``L`` aux states plus the last state, each
+  ``H`` wide: ``(L + 1) * H * 2`` in bf16 (``8 * H`` for 3 aux layers: 56 KiB at H = 7168, FIELD_NOTES rule 5);
+  with ``extract.aux_format: float8_e4m3fn`` the aux states take ``L * (H + 4)`` (one fp32 scale per token and
+  layer, :mod:`eyas.store.fp8`) and the last state stays in ``extract.dtype`` (it gives the soft labels). Token ids
+  (int64, 8 bytes) are counted separately.
+- prefill GPU-hours: ``tokens * 2 * active_parameters / (peak_flops * mfu)``, the standard dense-transformer
+  estimate of 2 FLOPs per active parameter per token (the attention score term, about ``4 * layers * T * width``
+  per token, is left out: under 10% at T = 2048 for the families here). Active parameters are counted from the
+  config (:func:`parameter_counts`: MoE layers count their routed top-k plus shared experts). The default
+  assumption is one H200 at 989 TFLOP/s dense bf16 (NVIDIA's H200 datasheet figure without sparsity) and 35%
+  MFU; ``prefill_tokens_per_s`` replaces it with a measured figure (``bench/extract_throughput.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .config import RunConfig
+from .data.chat import ChatTemplateError, render_conversation, render_prompt
+from .data.formats import load_source
+from .errors import ConfigError
+from .families import default_aux_layer_ids, family_of, text_config
+from .records import SkipCounter
+from .targets.load import load_tokenizer, materialize_target, read_target_config
+
+H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H200 datasheet, without sparsity)
+DEFAULT_MFU = 0.35
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TOKEN_ID_BYTES = 8  # input_ids are stored as int64
+
+
+@dataclass
+class Plan:
+    """A run's estimate. Units are in the names: ``*_tokens``, ``*_bytes``, ``*_gpu_hours``, ``*_per_s``."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_ids: list[int]
+    total_parameters: int
+    active_parameters: int
+    sampled_samples: int
+    skipped_samples: int
+    mean_tokens_per_sample: float
+    dataset_samples: int
+    dataset_tokens: int
+    tokens_per_100k_samples: int
+    bytes_per_token: dict[str, int]          # {"bfloat16": .., "fp8": ..}: hidden states only
+    dataset_bytes: dict[str, int]
+    bytes_per_100k_samples: dict[str, int]
+    token_id_bytes_per_token: int
+    prefill_tokens_per_s: float               # per GPU
+    prefill_assumption: str
+    dataset_prefill_gpu_hours: float
+    prefill_gpu_hours_per_100k_samples: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16",
+                                 aux_fp8: bool = False) -> int:
+    """Bytes one token takes in the store for ``num_aux`` aux states plus the last state (ids not counted).
+
+    bf16: ``(num_aux + 1) * H * 2``; ``aux_fp8``: ``num_aux * (H + 4) + H * bytes(dtype)`` (e4m3 values, one fp32
+    scale per token and layer, last state unquantised). Raises ``KeyError`` for an unknown dtype.
+    """
+    b = BYTES[dtype]
+    aux = num_aux * (hidden_size + 4) if aux_fp8 else num_aux * hidden_size * b
+    return aux + hidden_size * b
+
+
+def parameter_counts(target_cfg: dict) -> tuple[int, int]:
+    """``(total, active_per_token)`` parameters of a decoder from its config dict, embeddings and lm_head included
+    in the total, only the lm_head in neither (prefill for extraction never runs it).
+
+    Attention: GQA ``H*nh*hd + 2*H*nkv*hd + nh*hd*H``; MLA (``kv_lora_rank`` set) its low-rank q/kv projections.
+    MLP: dense ``3*H*I``; MoE layers (DeepSeek ``first_k_dense_replace``, Qwen3-MoE and gpt-oss every layer)
+    ``E`` routed experts of ``3*H*I_moe`` (``num_experts_per_tok`` of them active) plus shared experts and the router.
+    """
+    c = text_config(target_cfg)
+    H, N, V = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    nh = int(c["num_attention_heads"])
+    if c.get("kv_lora_rank"):
+        qk = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
+        q = H * int(c["q_lora_rank"]) + int(c["q_lora_rank"]) * nh * qk if c.get("q_lora_rank") else H * nh * qk
+        kv = H * (int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])) + int(c["kv_lora_rank"]) * nh * (
+            int(c["qk_nope_head_dim"]) + int(c["v_head_dim"]))
+        attn = q + kv + nh * int(c["v_head_dim"]) * H
+    else:
+        hd = int(c.get("head_dim") or H // nh)
+        nkv = int(c.get("num_key_value_heads") or nh)
+        attn = 2 * H * nh * hd + 2 * H * nkv * hd
+    experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 0)
+    if experts:
+        i_moe = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+        k = int(c.get("num_experts_per_tok", 1))
+        shared = int(c.get("n_shared_experts") or 0)
+        dense_layers = int(c.get("first_k_dense_replace", 0))
+        moe_total = experts * 3 * H * i_moe + shared * 3 * H * i_moe + H * experts
+        moe_active = (k + shared) * 3 * H * i_moe + H * experts
+        dense = 3 * H * int(c["intermediate_size"])
+        mlp_total = dense_layers * dense + (N - dense_layers) * moe_total
+        mlp_active = dense_layers * dense + (N - dense_layers) * moe_active
+    else:
+        mlp_total = mlp_active = N * 3 * H * int(c["intermediate_size"])
+    body_total = N * attn + mlp_total
+    body_active = N * attn + mlp_active
+    return body_total + V * H * (1 if c.get("tie_word_embeddings") else 2), body_active
+
+
+def _tokenizer(cfg: RunConfig):
+    """The target's tokenizer. A ``config.json`` whose ``model_type`` this transformers does not know (Kimi-K2's
+    ``kimi_k2`` without its remote code) makes ``AutoTokenizer`` fail before it reads the tokenizer files; a
+    ``tokenizer.json`` next to it is then loaded directly."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return load_tokenizer(cfg.target)
+    except (ValueError, KeyError, AttributeError) as e:
+        folder = materialize_target(cfg.target)
+        if not (folder / "tokenizer.json").exists():
+            raise ConfigError(f"plan: cannot load the tokenizer of {folder}: {e}") from None
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _sample_tokens(cfg: RunConfig, tok, sample: int) -> tuple[list[int], int, int]:
+    """Token counts of the first ``sample`` conversations, the number skipped, and the dataset's size."""
+    counts: list[int] = []
+    skipped = rows = 0
+    cap = cfg.prepare.max_samples
+    gen = cfg.generate
+    for src in cfg.prepare.sources:
+        for conv in load_source(src, SkipCounter(), {}):
+            rows += 1
+            if len(counts) + skipped >= sample:
+                continue
+            msgs = conv.chat_messages()
+            try:
+                if any(m["role"] == "assistant" for m in msgs):
+                    r = render_conversation(tok, msgs, chat_template_kwargs=cfg.tokenize.chat_template_kwargs)
+                    n = _clip_replies(r.loss_mask, gen.max_new_tokens + 1) if gen.enabled else len(r.input_ids)
+                else:
+                    prompt = render_prompt(tok, msgs, chat_template_kwargs=cfg.tokenize.chat_template_kwargs)
+                    n = len(tok(prompt, add_special_tokens=False).input_ids) + gen.max_new_tokens + 1
+            except ChatTemplateError:
+                skipped += 1
+                continue
+            counts.append(min(n, cfg.tokenize.max_length))
+    return counts, skipped, min(rows, cap) if cap else rows
+
+
+def _clip_replies(mask: list[int], cap: int) -> int:
+    """Sequence length when every run of trained (assistant) tokens is at most ``cap`` long."""
+    n = run = 0
+    for m in mask:
+        run = run + 1 if m else 0
+        n += 1 if (not m or run <= cap) else 0
+    return n
+
+
+def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None = None,
+         mfu: float = DEFAULT_MFU, peak_flops: float = H200_BF16_FLOPS) -> Plan:
+    """Estimate tokens, store bytes and prefill GPU-hours of the run ``cfg`` (see the module docstring).
+
+    Raises :class:`ConfigError` when ``sample`` < 1 or no conversation of the sample can be rendered.
+    """
+    if sample < 1:
+        raise ConfigError(f"plan: sample must be >= 1, got {sample}")
+    tcfg = read_target_config(cfg.target)
+    c = text_config(tcfg)
+    fam = family_of(tcfg)
+    N, H, V = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
+    layer_ids = cfg.extract.layer_ids or default_aux_layer_ids(N, tcfg)
+    tok = _tokenizer(cfg)
+    counts, skipped, n_samples = _sample_tokens(cfg, tok, sample)
+    if not counts:
+        raise ConfigError(f"plan: none of the first {sample} conversations of prepare.sources could be rendered "
+                          f"with the target's chat template ({skipped} skipped)")
+    mean = sum(counts) / len(counts)
+    L = len(layer_ids)
+    per_tok = {"bfloat16": hidden_state_bytes_per_token(H, L, "bfloat16"),
+               "fp8": hidden_state_bytes_per_token(H, L, cfg.extract.dtype, aux_fp8=True)}
+    dataset_tokens = round(mean * n_samples)
+    per_100k_tokens = round(mean * 100_000)
+    total, active = parameter_counts(tcfg)
+    if prefill_tokens_per_s is None:
+        prefill_tokens_per_s = peak_flops * mfu / (2 * active)
+        assumption = (f"{peak_flops / 1e12:.0f} TFLOP/s per GPU at {mfu:.0%} MFU, 2 FLOPs per active parameter "
+                      f"({active / 1e9:.1f}B active) per token")
+    else:
+        assumption = "given (measured) prefill throughput"
+    notes = []
+    if cfg.generate.enabled:
+        notes.append(f"generate.enabled: assistant turns counted at most {cfg.generate.max_new_tokens + 1} tokens")
+    if skipped:
+        notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
+    return Plan(
+        family=fam.name, num_layers=N, hidden_size=H, vocab_size=V, layer_ids=list(layer_ids),
+        total_parameters=total, active_parameters=active, sampled_samples=len(counts), skipped_samples=skipped,
+        mean_tokens_per_sample=round(mean, 2), dataset_samples=n_samples, dataset_tokens=dataset_tokens,
+        tokens_per_100k_samples=per_100k_tokens, bytes_per_token=per_tok,
+        dataset_bytes={k: v * dataset_tokens for k, v in per_tok.items()},
+        bytes_per_100k_samples={k: v * per_100k_tokens for k, v in per_tok.items()},
+        token_id_bytes_per_token=TOKEN_ID_BYTES, prefill_tokens_per_s=round(prefill_tokens_per_s, 1),
+        prefill_assumption=assumption,
+        dataset_prefill_gpu_hours=round(dataset_tokens / prefill_tokens_per_s / 3600, 3),
+        prefill_gpu_hours_per_100k_samples=round(per_100k_tokens / prefill_tokens_per_s / 3600, 3),
+        notes=notes,
+    )
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units (TB = 1e12 bytes), as disks are sold: ``5.16 TB``."""
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
