@@ -46,20 +46,31 @@ class _Subset:
         return self.ds[self.idx[i]]
 
 
-def online_states(ctx: RunContext, layer_ids: list[int]) -> StateSource:
-    """The target, loaded in this job, captures each batch's aux and post-norm last states (nothing is stored).
-    Values are rounded to ``extract.dtype`` exactly as the store would hold them."""
-    from ..capture.transformers_backend import TransformersCapture
-    from ..targets.load import load_target
+def online_states(ctx: RunContext, layer_ids: list[int], samples: list) -> StateSource:
+    """The target, loaded in this job through the extract stage's own capture backend (``extract.backend``,
+    compute and storage dtypes as extract would use), captures each batch's aux and post-norm last states;
+    nothing is stored. So offline and online train on the same numbers."""
+    from ..capture import make_backend
+    from ..store.fp8 import dequantize_fp8
 
-    target = load_target(ctx.cfg.target)
-    capture = TransformersCapture(target.model, layer_ids)
+    backend = make_backend(ctx.cfg.extract.backend, ctx.cfg.target, ctx.cfg.extract, layer_ids, None)
+    by_id = {s.id: s for s in samples}
     dt = STORE_DTYPES[ctx.cfg.extract.dtype]
 
     def states(batch: dict, device: torch.device) -> dict:
-        aux, last = capture(batch["input_ids"].to(target.device), batch["attention_mask"].to(target.device))
-        B, T, L, H = aux.shape                                              # [B, T, L, Ht]
-        return {**batch, "aux": aux.to(dt).reshape(B, T, L * H).to(device), "last": last.to(dt).to(device)}
+        got = {c.sample_id: c for c in backend.capture([by_id[i] for i in batch["ids"]])}
+        B, T = batch["input_ids"].shape
+        aux = last = None
+        for r, sid in enumerate(batch["ids"]):
+            c = got[sid]
+            a = dequantize_fp8(c.aux, c.aux_scale, dt) if c.aux_scale is not None else c.aux   # [T, L, Ht]
+            n = int(batch["attention_mask"][r].sum())           # the sample, cut to train.max_length
+            if aux is None:
+                aux = torch.zeros(B, T, a.shape[1] * a.shape[2], dtype=a.dtype)
+                last = torch.zeros(B, T, c.last.shape[-1], dtype=c.last.dtype)
+            aux[r, :n] = a[:n].reshape(n, -1)
+            last[r, :n] = c.last[:n]
+        return {**batch, "aux": aux.to(device), "last": last.to(device)}
 
     return states
 
@@ -111,7 +122,7 @@ def run(ctx: RunContext) -> dict:
     else:
         header = expected_header(ctx)
         dataset = TokenDataset(samples, cfg.max_length)
-        states = online_states(ctx, header.layer_ids)
+        states = online_states(ctx, header.layer_ids, samples)
     states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
     layer_ids = header.layer_ids
     if cfg.init_from:

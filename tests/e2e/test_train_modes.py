@@ -1,0 +1,76 @@
+"""The train stage on the real stories260K target: offline (from the store) equals online (the target in the
+training job, nothing stored) on the same data and seed; ``--init-from`` fine-tunes an Eyas or SGLang drafter and
+keeps its draft vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from eyas.config import load_config
+from eyas.stages import RunContext, init_run_dir, run_stage
+
+pytestmark = pytest.mark.e2e
+
+
+def _config(tmp_path, shared, name: str, draft_vocab_size: int = 200, **train):
+    stories = shared / "models" / "stories260K"
+    cfg = {
+        "run_dir": str(tmp_path / name),
+        "target": {"model": str(stories / "stories260K.bin"), "tokenizer": str(stories / "tok512.bin")},
+        "prepare": {"sources": [{"path": str(shared / "data" / "train" / "gsm8k_train.jsonl"), "max_rows": 12}]},
+        "generate": {"enabled": False},          # the dataset's own answers: no generation needed here
+        "tokenize": {"max_length": 160},
+        "vocab": {"draft_vocab_size": draft_vocab_size},
+        "extract": {"layer_ids": [1, 2, 3], "dtype": "float32"},
+        "train": {"ttt_steps": 3, "epochs": 2, "lr": 3e-3, "batch_size": 3, "checkpoint_every": 100,
+                  "eval_samples": 2, "eval_every": 3, **train},
+    }
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _run(path, stages, overrides=None):
+    ctx = RunContext(cfg=load_config(path, overrides), log=lambda m: None)
+    init_run_dir(ctx, ["test"])
+    return {s: run_stage(ctx, s) for s in stages}
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_offline_equals_online_and_init_from(tmp_path, shared):
+    off = _run(_config(tmp_path, shared, "off"), ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
+    on = _run(_config(tmp_path, shared, "on", mode="online"), ["prepare", "generate", "tokenize", "vocab", "train"])
+    assert not (tmp_path / "on" / "extract").exists()          # nothing stored
+    a, b = _rows(tmp_path / "off"), _rows(tmp_path / "on")
+    assert len(a) == len(b) == off["train"]["steps"] > 2
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-6)
+        assert [rb[f"count_{k}"] for k in range(3)] == [ra[f"count_{k}"] for k in range(3)]
+    assert b[-1]["eval_loss"] == pytest.approx(a[-1]["eval_loss"], rel=1e-5)
+    assert on["train"]["mode"] == "online" and off["train"]["loss"] < off["train"]["first_loss"]
+
+    # fine-tune the trained drafter (Eyas format) in a run whose own vocabulary differs: the drafter's d2t stays
+    final = tmp_path / "off" / "train" / "final"
+    d2t = load_file(str(final / "draft.safetensors"))["d2t"]
+    ft = _run(_config(tmp_path, shared, "ft", 150, epochs=1), ["prepare", "generate", "tokenize", "vocab", "extract"])
+    assert ft["vocab"]["draft_vocab_size"] == 150
+    s = _run(_config(tmp_path, shared, "ft", 150, epochs=1, init_from=str(final)), ["train"])
+    got = load_file(str(tmp_path / "ft" / "train" / "final" / "draft.safetensors"))
+    assert got["d2t"].shape == (200,) and (got["d2t"] == d2t).all()
+    # it starts from the trained drafter: its first loss is near where the first run ended, far under a fresh one
+    assert s["train"]["first_loss"] < 0.5 * (off["train"]["first_loss"] + off["train"]["loss"])
+
+    # the SGLang-format export of the same drafter loads too
+    _run(_config(tmp_path, shared, "off"), ["export"])
+    sg = tmp_path / "off" / "export" / "sglang"
+    _run(_config(tmp_path, shared, "ft2", 150, epochs=1, init_from=str(sg)),
+         ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
+    got2 = load_file(str(tmp_path / "ft2" / "train" / "final" / "draft.safetensors"))
+    assert (got2["d2t"] == d2t).all()
