@@ -85,9 +85,77 @@ def _train_command():
     return command
 
 
+def _export_command():
+    run_export = _stage_command("export")
+
+    def command(
+        config: Optional[str] = typer.Argument(None, help=CONFIG_HELP + " Not needed with --check."),
+        overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+        force: bool = typer.Option(False, "--force", help="Redo 'export' (and clear every later stage)."),
+        check: Optional[str] = typer.Option(None, "--check", help="Check a draft folder (any trainer's) as SGLang "
+                                                                   "and vLLM would read it, and stop."),
+        target: Optional[str] = typer.Option(None, "--target", help="With --check: the target's HF folder (its "
+                                                                     "depth, width, vocabulary and RoPE are checked)."),
+    ) -> None:
+        if check is None:
+            if config is None:
+                _fail(EyasError("give a CONFIG (or --check DIR)"))
+            return run_export(config, overrides, force)
+        import json
+        from pathlib import Path
+
+        from .export.check import check_folder
+
+        try:
+            tcfg = json.loads((Path(target) / "config.json").read_text()) if target else None
+            rep = check_folder(Path(check), tcfg)
+        except (EyasError, OSError) as e:
+            _fail(e)
+        Console().print(rep.to_text(), markup=False, highlight=False)
+        raise typer.Exit(code=0 if rep.ok else 1)
+
+    command.__doc__ = ("Run only the 'export' stage (export.formats: sglang, vllm), or --check DIR: what SGLang and "
+                       "vLLM would skip, misread or refuse in any draft folder.")
+    return command
+
+
+def _evaluate_command():
+    run_evaluate = _stage_command("evaluate")
+
+    def command(
+        config: str = typer.Argument(..., help=CONFIG_HELP),
+        overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+        force: bool = typer.Option(False, "--force", help="Redo 'evaluate'."),
+        engine: Optional[str] = typer.Option(None, "--engine", help="'reference' (Eyas's decoder) or 'vllm' (a "
+                                                                     "real engine); same as evaluate.engine=ENGINE."),
+    ) -> None:
+        run_evaluate(config, list(overrides or []) + ([f"evaluate.engine={engine}"] if engine else []), force)
+
+    command.__doc__ = "Run only the 'evaluate' stage: acceptance length per prompt set, reference decoder or vLLM."
+    return command
+
+
+_COMMANDS = {"train": _train_command, "export": _export_command, "evaluate": _evaluate_command}
 for _s in STAGES:
     app.command(name=_s, help=(__import__(f"eyas.stages.{_s}", fromlist=["_"]).__doc__ or "").split("\n")[0])(
-        _train_command() if _s == "train" else _stage_command(_s))
+        _COMMANDS[_s]() if _s in _COMMANDS else _stage_command(_s))
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., help="A run directory (the config's run_dir)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Folder for the page and figures (default RUN/report)."),
+) -> None:
+    """One HTML page for a run: configuration, data, training curves, acceptance, serve commands."""
+    from pathlib import Path
+
+    from .evaluate.report import write_report
+
+    try:
+        page = write_report(Path(run_dir), Path(out) if out else None)
+    except EyasError as e:
+        _fail(e)
+    console.print(f"[eyas] report: {page}", markup=False, highlight=False)
 
 
 @app.command()

