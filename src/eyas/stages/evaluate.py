@@ -1,78 +1,170 @@
-"""evaluate: acceptance length of the exported drafter on held-out prompts, with the reference decoder.
+"""evaluate: acceptance length of the exported drafter per prompt set, by the reference decoder or by vLLM.
 
-The drafter is loaded from the exported SGLang folder (what an engine loads), so the evaluation also proves the
-export. Each prompt is decoded with chain speculative decoding (greedy) and, with ``check_lossless``, compared
-token for token with the target's own greedy output. Writes ``evaluate/results.json``.
+Sets: ``evaluate.prompts`` (one set, ``held_out``) and ``evaluate.benchmarks`` (named sets: MT-bench with both
+turns, HumanEval, GSM8K, any JSONL of prompts). Every user turn of a conversation is decoded in order, the model's
+own reply going into the next turn's prompt.
+
+- ``engine: reference``: :mod:`eyas.evaluate.decoder` (chain or tree, greedy or sampling) on the exported folder
+  (what an engine loads, so evaluation also proves the export). Greedy runs are checked token for token against the
+  target's own decoding (``check_lossless``), which also times plain target steps for the speedup estimate.
+- ``engine: vllm``: vLLM serves the target with the exported folder and reports acceptance from its own counters
+  (:mod:`eyas.evaluate.vllm_engine`; chain drafting only).
+
+Writes ``evaluate/results.json`` (per set and overall; per prompt for the reference decoder).
 """
 
 from __future__ import annotations
 
 from tqdm import tqdm
 
+from ..config import SourceConfig
 from ..data.chat import render_prompt
 from ..data.formats import load_source
 from ..errors import ConfigError
-from ..evaluate.decoder import speculative_generate, target_greedy
-from ..export.sglang import load_sglang_draft
+from ..evaluate.decoder import SpecConfig, estimated_speedup, speculative_generate, target_generate
+from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
-from ..targets.load import load_target, load_target_head
+from ..targets.load import load_target, load_target_head, materialize_target
 from . import RunContext
+
+
+def load_sets(ctx: RunContext) -> dict[str, list[tuple[str, list[str]]]]:
+    """set name -> [(conversation id, user turns)] from ``evaluate.prompts`` and ``evaluate.benchmarks``."""
+    cfg = ctx.cfg.evaluate
+    sets: dict[str, list[tuple[str, list[str]]]] = {}
+    specs = [("held_out", src, cfg.max_prompts, "first") for src in cfg.prompts]
+    specs += [(b.name, SourceConfig(path=b.path, format=b.format), b.max_prompts, b.turns) for b in cfg.benchmarks]
+    for name, src, limit, turns in specs:
+        rows = sets.setdefault(name, [])
+        for conv in load_source(src, SkipCounter(), {}):
+            users = [m.content for m in conv.messages if m.role == "user"]
+            if users and (limit is None or len(rows) < limit):
+                rows.append((conv.id, users[:1] if turns == "first" else users))
+    if not any(sets.values()):
+        raise ConfigError("evaluate.prompts and evaluate.benchmarks are empty: give at least one prompt set")
+    return sets
+
+
+def spec_config(ctx: RunContext) -> SpecConfig:
+    cfg = ctx.cfg.evaluate
+    return SpecConfig(depth=cfg.num_draft_tokens, topk=cfg.topk, total_tokens=cfg.total_tokens,
+                      temperature=cfg.temperature, seed=cfg.seed)
 
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.evaluate
-    if not cfg.prompts:
-        raise ConfigError("evaluate.prompts is empty: give at least one held-out prompt file")
-    target = load_target(ctx.cfg.target)
-    tok = target.tokenizer
-    embed, _ = load_target_head(ctx.cfg.target)
-    draft, layer_ids = load_sglang_draft(ctx.stage_dir("export") / "sglang", embed)
-    draft.to(target.device)
-    skips = SkipCounter()
-    prompts = []
-    for src in cfg.prompts:
-        for conv in load_source(src, skips, {}):
-            first_user = next(i for i, m in enumerate(conv.messages) if m.role == "user")
-            prompts.append((conv.id, conv.chat_messages()[: first_user + 1]))
-    prompts = prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
-    eos = model_eos_ids(target, tok)
-    per_prompt = []
-    rounds = accepted = mismatches = 0
-    per_pos = [0] * cfg.num_draft_tokens
-    t_target = t_draft = 0.0
-    for sid, msgs in tqdm(prompts, desc="evaluate", unit="prompt", dynamic_ncols=True):
-        text = render_prompt(tok, msgs, chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
-        ids = tok(text, add_special_tokens=False).input_ids
-        st = speculative_generate(target.model, draft, ids, layer_ids, cfg.num_draft_tokens, cfg.max_new_tokens, eos)
-        same = None
-        if cfg.check_lossless:
-            ref = target_greedy(target.model, ids, cfg.max_new_tokens, eos)
-            same = ref == st.tokens
-            mismatches += not same
-        rounds += st.rounds
-        accepted += st.accepted
-        per_pos = [a + b for a, b in zip(per_pos, st.accepted_per_pos)]
-        t_target += st.target_seconds
-        t_draft += st.draft_seconds
-        per_prompt.append({"id": sid, "new_tokens": len(st.tokens), "rounds": st.rounds,
-                           "acceptance_length": round(st.acceptance_length, 4), "lossless": same})
+    sets = load_sets(ctx)
+    folder = ctx.stage_dir("export") / ("sglang" if (ctx.stage_dir("export") / "sglang").exists() else "vllm")
+    if cfg.engine == "vllm":
+        per_set = _evaluate_vllm(ctx, sets, folder)
+    else:
+        per_set = _evaluate_reference(ctx, sets, folder)
+    rounds = sum(s["rounds"] for s in per_set.values())
+    accepted = sum(s["accepted"] for s in per_set.values())
+    per_pos = [sum(s["accepted_per_pos"][i] for s in per_set.values()) for i in range(cfg.num_draft_tokens)]
+    checked = [s["lossless_mismatches"] for s in per_set.values() if s.get("lossless_mismatches") is not None]
     result = {
-        "prompts": len(prompts),
-        "num_draft_tokens": cfg.num_draft_tokens,
+        "engine": cfg.engine, "draft_folder": str(folder),
+        "prompts": sum(s["prompts"] for s in per_set.values()),
+        "num_draft_tokens": cfg.num_draft_tokens, "topk": cfg.topk, "temperature": cfg.temperature,
         "acceptance_length": round((rounds + accepted) / max(rounds, 1), 4),
         "acceptance_rate_per_position": [round(a / max(rounds, 1), 4) for a in per_pos],
         "rounds": rounds,
-        "lossless_checked": cfg.check_lossless,
-        "lossless_mismatches": mismatches if cfg.check_lossless else None,
-        "target_seconds": round(t_target, 2),
-        "draft_seconds": round(t_draft, 2),
-        "per_prompt": per_prompt,
+        "lossless_checked": bool(checked),
+        "lossless_mismatches": sum(checked) if checked else None,
+        "sets": per_set,
     }
+    times = [s for s in per_set.values() if s.get("target_step_seconds")]
+    if times:
+        result["speedup_estimate"] = round(sum(s["speedup_estimate"] * s["rounds"] for s in times)
+                                           / max(sum(s["rounds"] for s in times), 1), 3)
     write_json_atomic(ctx.stage_dir("evaluate") / "results.json", result)
-    ctx.log(f"[eyas] evaluate: acceptance length {result['acceptance_length']:.3f} "
-            f"(k={cfg.num_draft_tokens}, {len(prompts)} prompts, lossless mismatches: {mismatches})")
-    return {k: v for k, v in result.items() if k != "per_prompt"}
+    for name, s in per_set.items():
+        ctx.log(f"[eyas] evaluate [{cfg.engine}] {name}: acceptance length {s['acceptance_length']:.3f} "
+                f"({s['prompts']} prompts, {s['rounds']} rounds)")
+    return {k: v for k, v in result.items() if k != "sets"} | {
+        "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}}
+
+
+def _set_summary(rounds: int, accepted: int, per_pos: list[int], **extra) -> dict:
+    return {"rounds": rounds, "accepted": accepted, "accepted_per_pos": per_pos,
+            "acceptance_length": round((rounds + accepted) / max(rounds, 1), 4),
+            "acceptance_rate_per_position": [round(a / max(rounds, 1), 4) for a in per_pos], **extra}
+
+
+def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
+    cfg = ctx.cfg.evaluate
+    spec = spec_config(ctx)
+    target = load_target(ctx.cfg.target)
+    tok = target.tokenizer
+    embed, _ = load_target_head(ctx.cfg.target)
+    draft, layer_ids = load_draft_folder(folder, embed, target.num_layers)
+    draft.to(target.device)
+    eos = model_eos_ids(target, tok)
+    greedy = spec.temperature == 0
+    out = {}
+    for name, convs in sets.items():
+        rounds = accepted = mismatches = 0
+        per_pos = [0] * spec.depth
+        t_draft = t_target = 0.0
+        steps: list[float] = []
+        per_prompt = []
+        for sid, turns in tqdm(convs, desc=f"evaluate {name}", unit="prompt", dynamic_ncols=True):
+            history = []
+            for turn, text in enumerate(turns):
+                history.append({"role": "user", "content": text})
+                ids = tok(render_prompt(tok, history, chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs),
+                          add_special_tokens=False).input_ids
+                st = speculative_generate(target.model, draft, ids, layer_ids, spec, cfg.max_new_tokens, eos)
+                same = None
+                if cfg.check_lossless:
+                    base = target_generate(target.model, ids, cfg.max_new_tokens, eos, spec.temperature, spec.seed)
+                    steps += base.step_seconds
+                    if greedy:
+                        same = base.tokens == st.tokens
+                        mismatches += not same
+                history.append({"role": "assistant", "content": tok.decode(st.tokens, skip_special_tokens=True)})
+                rounds += st.rounds
+                accepted += st.accepted
+                per_pos = [a + b for a, b in zip(per_pos, st.accepted_per_pos)]
+                t_draft += st.draft_seconds
+                t_target += st.target_seconds
+                per_prompt.append({"id": sid, "turn": turn + 1, "new_tokens": len(st.tokens), "rounds": st.rounds,
+                                   "acceptance_length": round(st.acceptance_length, 4), "lossless": same})
+        s = _set_summary(rounds, accepted, per_pos, prompts=len(convs), turns=len(per_prompt),
+                         lossless_mismatches=mismatches if cfg.check_lossless and greedy else None,
+                         draft_seconds_per_round=round(t_draft / max(rounds, 1), 6),
+                         verify_seconds_per_round=round(t_target / max(rounds, 1), 6), per_prompt=per_prompt)
+        if steps:
+            s["target_step_seconds"] = round(sum(steps) / len(steps), 6)
+            s["speedup_estimate"] = round(estimated_speedup(s["acceptance_length"], s["draft_seconds_per_round"],
+                                                            s["verify_seconds_per_round"], s["target_step_seconds"]), 3)
+        out[name] = s
+    return out
+
+
+def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
+    from ..evaluate.vllm_engine import run_vllm
+    from ..targets.load import load_tokenizer
+
+    cfg = ctx.cfg.evaluate
+    if cfg.topk != 1:
+        raise ConfigError("evaluate.engine=vllm drafts chains only: set evaluate.topk=1")
+    tok = load_tokenizer(ctx.cfg.target)
+    import json
+
+    tdir = materialize_target(ctx.cfg.target)
+    gen = json.loads((tdir / "generation_config.json").read_text()) if (tdir / "generation_config.json").exists() else {}
+    eos = gen.get("eos_token_id", tok.eos_token_id)
+    eos_ids = sorted(set((eos if isinstance(eos, list) else [eos]) + [tok.eos_token_id]) - {None})
+    res = run_vllm(tdir, folder, {n: [t for _, t in convs] for n, convs in sets.items()},
+                   num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
+                   dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
+                   chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+    return {n: _set_summary(r["drafts"], r["accepted"], r["accepted_per_pos"], prompts=len(sets[n]),
+                            turns=sum(len(t) for t in r["outputs"]), lossless_mismatches=None,
+                            vllm_seconds=round(r["seconds"], 2)) for n, r in res.items()}
 
 
 def model_eos_ids(target, tok) -> set[int]:

