@@ -52,9 +52,12 @@ def flops_per_token(cfg: Eagle3Config, T: int, K: int) -> tuple[float, float]:
     return float(dense), float(attn)
 
 
-def build(cfg: Eagle3Config, T: int, device: torch.device, attention: str, seed: int = 0):
+def build(cfg: Eagle3Config, T: int, device: torch.device, attention: str, seed: int = 0,
+          param_dtype: str = "fp32"):
     g = torch.Generator(device="cpu").manual_seed(seed)
     model = Eagle3DraftModel(cfg)
+    if param_dtype == "bf16":   # no fp32 master weights: the bound set by the master-weight traffic
+        model.to(torch.bfloat16)
     model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(torch.bfloat16)
     draft_ids = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
     with torch.no_grad():
@@ -92,8 +95,8 @@ def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk
 
 
 def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
-            warmup: int, iters: int, loss_chunk: int) -> dict:
-    model, data, params, opt = build(cfg, T, device, attention)
+            warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None) -> dict:
+    model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype)
     if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
         model.compile_ttt()
     step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
@@ -120,10 +123,21 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
+    if profile is not None and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as pr:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        table = pr.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+        profile.write_text(table)
+        print(table, flush=True)
     times.sort()
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
     out = {"seq": T, "ttt_steps": K, "attention": attention, "compile_layer": compile_layer,
+           "param_dtype": param_dtype, "loss_chunk": loss_chunk,
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(T / med, 1), "tflops_per_s": round(T * (dense + attn) / med / 1e12, 1),
            "dense_gflop_per_token": round(dense / 1e9, 2), "attention_gflop_per_token": round(attn / 1e9, 3),
@@ -165,6 +179,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny odd shape (checks the script, not the speed)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configurations once this much time passed")
+    ap.add_argument("--param-dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                    help="fp32 master weights + bf16 autocast (default), or bf16 weights")
+    ap.add_argument("--profile", type=Path, help="write a CUDA kernel table of 2 steps of the first configuration")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -175,33 +192,34 @@ def main() -> None:
           f"{torch.__version__}, measured bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     compiles = {"none": [False], "layer": [True], "both": [False, True]}[args.compile]
     rows, t0 = [], time.time()
-    for attention in args.attention:
-        for comp in compiles:
-            for T in args.seq:
-                if attention == "sdpa" and T > 8192:
-                    continue  # the SDPA backend's dense [T, K*T] mask is meant for short sequences
-                if time.time() - t0 > args.budget_s:
-                    print(f"skip {attention} compile={comp} T={T}: time budget spent", flush=True)
-                    continue
-                try:
-                    r = measure(cfg, T, args.ttt, device, attention, comp, args.warmup, args.iters, args.loss_chunk)
-                except Exception as e:  # an OOM or a compile failure is a result too
-                    r = {"seq": T, "attention": attention, "compile_layer": comp,
-                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                r["mfu_vs_790"] = round(r["tflops_per_s"] / 790, 3) if "tflops_per_s" in r else None
-                r["mfu_vs_measured"] = round(r["tflops_per_s"] / peak, 3) if "tflops_per_s" in r else None
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-                if args.out:
-                    args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    print("\nattention compile   seq   step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
+    combos = [(a, c, pd) for a in args.attention for c in compiles for pd in args.param_dtype]
+    for attention, comp, pdt in combos:
+        for T in args.seq:
+            if attention == "sdpa" and T > 8192:
+                continue  # the SDPA backend's dense [T, K*T] mask is meant for short sequences
+            if time.time() - t0 > args.budget_s:
+                print(f"skip {attention} compile={comp} T={T}: time budget spent", flush=True)
+                continue
+            try:
+                r = measure(cfg, T, args.ttt, device, attention, comp, args.warmup, args.iters, args.loss_chunk,
+                            pdt, args.profile if not rows else None)
+            except Exception as e:  # an OOM or a compile failure is a result too
+                r = {"seq": T, "attention": attention, "compile_layer": comp,
+                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            r["mfu_vs_790"] = round(r["tflops_per_s"] / 790, 3) if "tflops_per_s" in r else None
+            r["mfu_vs_measured"] = round(r["tflops_per_s"] / peak, 3) if "tflops_per_s" in r else None
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
+    print("\nattention compile params   seq   step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
     for r in rows:
         if "error" in r:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['seq']:6}  ERROR {r['error'][:80]}")
         else:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['seq']:6} {r['step_ms']:9.1f} "
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['param_dtype']:6} {r['seq']:6} {r['step_ms']:9.1f} "
                   f"{r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")
 
