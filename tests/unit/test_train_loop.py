@@ -74,16 +74,16 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 def test_resume_continues_exactly(tmp_path):
     cfg = toy_cfg(checkpoint_every=1, keep_last=2, epochs=2)
-    data = ToySet(12, seed=1)
+    data = ToySet(6, seed=1)
     m, head = toy_model()
     full = train(m, data, head, cfg, tmp_path / "a", torch.device("cpu"), {"fp": 1}, log=lambda s: None)
     m, head = toy_model()
     part = train(m, data, head, cfg, tmp_path / "b", torch.device("cpu"), {"fp": 1}, log=lambda s: None,
-                 should_stop=lambda step: step == 5)
-    assert part.steps == 5 and len(list((tmp_path / "b" / "checkpoints").glob("step-*"))) == 2   # keep_last
+                 should_stop=lambda step: step == 4)
+    assert part.steps == 4 and len(list((tmp_path / "b" / "checkpoints").glob("step-*"))) == 2   # keep_last
     m, _ = toy_model(seed=99)            # a different init and vocabulary: all must come from the checkpoint
     rest = train(m, data, head, cfg, tmp_path / "b", torch.device("cpu"), {"fp": 1}, log=lambda s: None)
-    assert rest.steps == full.steps == 12
+    assert rest.steps == full.steps == 6
     assert _losses(tmp_path / "b") == _losses(tmp_path / "a")           # step for step, bit for bit on CPU
     for k, v in full.final_state.items():
         assert torch.equal(v, rest.final_state[k]), k
