@@ -113,8 +113,8 @@ def test_generate_through_vllm_turn_by_turn(vllm_server, shared, tmp_path):  # n
 
 
 def test_generate_killed_mid_run_resumes_without_duplicates(vllm_server, shared, tmp_path):  # noqa: F811
-    sources = [{"path": str(shared / "data" / "train" / "sharegpt_prompts_500.json"), "max_rows": 40}]
-    raw = _config(tmp_path, shared, vllm_server, sources, max_new_tokens=32)
+    sources = [{"path": str(shared / "data" / "train" / "sharegpt_prompts_500.json"), "max_rows": 24}]
+    raw = _config(tmp_path, shared, vllm_server, sources)
     raw["generate"]["openai"]["concurrency"] = 2
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))
@@ -150,3 +150,37 @@ def test_generate_killed_mid_run_resumes_without_duplicates(vllm_server, shared,
     assert after[: len(done_before)] == done_before  # finished work untouched
     report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
     assert report["resumed_from"] == len(done_before)
+
+
+def test_max_prompt_tokens_ends_conversations_before_long_prompts(vllm_server, shared, tmp_path):  # noqa: F811
+    from eyas.data.chat import render_prompt
+    from eyas.targets.load import load_tokenizer
+
+    limit = 110
+    sources = [{"path": str(shared / "data" / "eval" / "mt_bench.jsonl"), "max_rows": 10}]
+    ctx = _ctx(_config(tmp_path, shared, vllm_server, sources, max_prompt_tokens=limit))
+    run_stage(ctx, "prepare")
+    prepared = {d["id"]: d for d in _lines(ctx.stage_dir("prepare") / "conversations.jsonl")}
+    run_stage(ctx, "generate")
+    out = _lines(ctx.stage_dir("generate") / "conversations.jsonl")
+    report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
+    tok = load_tokenizer(ctx.cfg.target)
+
+    def n_tokens(msgs):
+        return len(tok(render_prompt(tok, msgs), add_special_tokens=False).input_ids)
+
+    assert {d["id"] for d in out} == set(prepared)
+    cut = 0
+    for d in out:
+        msgs = d["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                assert n_tokens(msgs[:i]) < limit  # every prompt that was asked is under the limit
+        users_in = [m for m in prepared[d["id"]]["messages"] if m["role"] == "user"]
+        n_replies = sum(m["role"] == "assistant" for m in msgs)
+        if n_replies < len(users_in):  # ended early: the next prompt would have reached the limit
+            cut += 1
+            history = msgs if msgs[-1]["role"] == "user" else msgs + [users_in[n_replies]]
+            assert n_tokens(history) >= limit
+    assert report["turns_over_max_prompt_tokens_this_run"] == cut > 0
+    assert cut < len(out)  # and some conversations were answered in full

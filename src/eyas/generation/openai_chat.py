@@ -20,6 +20,9 @@ Contract
 - Retries and time-outs come from the ``openai`` client itself: ``max_retries`` retries of connection errors,
   time-outs, 408, 409, 429 and 5xx with exponential back-off and jitter (0.5 s doubling to 8 s; openai-python
   ``_base_client.py``), ``timeout_s`` per request.
+- ``generate.max_prompt_tokens``, as in the in-process backend: a turn whose prompt (rendered locally with the
+  target's tokenizer and template) has at least that many tokens is not asked; the conversation ends before it
+  (its first turn: kept as a prompt without reply, which tokenize skips) and is counted.
 - Errors: a 400 answer about one conversation (usually prompt + max_tokens over the server's ``max-model-len``) is
   that sample's problem: its first turn failing skips it, a later turn failing keeps the turns done so far; both
   are counted with the server's message. Anything else (server unreachable after the retries, wrong model name,
@@ -63,6 +66,7 @@ class ConversationResult:
     conversation: Conversation | None
     finish_reasons: list[str] = field(default_factory=list)
     skips: list[SkipRecord] = field(default_factory=list)
+    over_max_prompt_tokens: int = 0  # 1 when a turn was not asked because of generate.max_prompt_tokens
 
 
 def user_skeleton(conv: Conversation) -> list[Message]:
@@ -76,9 +80,12 @@ class OpenAIChatGenerator:
     Args:
         gen: the generate section (sampling settings and ``gen.openai`` for the server).
         chat_template_kwargs: passed to the server's chat template with every request (``tokenize`` section).
+        prompt_tokens: counts the tokens of a rendered prompt (messages -> int); needed for
+            ``gen.max_prompt_tokens``.
     """
 
-    def __init__(self, gen: GenerateConfig, chat_template_kwargs: dict | None = None):
+    def __init__(self, gen: GenerateConfig, chat_template_kwargs: dict | None = None,
+                 prompt_tokens: Callable[[list[dict]], int] | None = None):
         from openai import AsyncOpenAI
 
         self.gen = gen
@@ -91,6 +98,9 @@ class OpenAIChatGenerator:
             max_retries=self.srv.max_retries,
         )
         self.model: str | None = self.srv.model
+        self.prompt_tokens = prompt_tokens
+        if gen.max_prompt_tokens and prompt_tokens is None:
+            raise ValueError("generate.max_prompt_tokens needs prompt_tokens (the target tokenizer's count)")
 
     async def resolve_model(self) -> str:
         """The served model name: ``openai.model``, or the server's only model. Raises :class:`ServerError`."""
@@ -156,6 +166,11 @@ class OpenAIChatGenerator:
             out.append(m)
             if m.role != "user":
                 continue
+            if self.gen.max_prompt_tokens and self.prompt_tokens(history) >= self.gen.max_prompt_tokens:
+                result.over_max_prompt_tokens = 1
+                if turn > 0:
+                    out.pop()  # a later user turn without a reply is dropped; the first one is kept as a prompt
+                break
             try:
                 r = await self.reply(history, self._request_seed(conv.id, turn))
             except openai.BadRequestError as e:
@@ -207,6 +222,7 @@ async def generate_conversations(
     todo: list[Conversation],
     on_result: Callable[[ConversationResult], None],
     chat_template_kwargs: dict | None = None,
+    prompt_tokens: Callable[[list[dict]], int] | None = None,
 ) -> str:
     """Regenerate ``todo`` with at most ``gen.openai.concurrency`` conversations in flight.
 
@@ -214,7 +230,7 @@ async def generate_conversations(
     append it durably at once. Returns the served model name. Raises :class:`ServerError` (after cancelling the
     conversations in flight) when the server cannot be used; results already passed to ``on_result`` stay.
     """
-    g = OpenAIChatGenerator(gen, chat_template_kwargs)
+    g = OpenAIChatGenerator(gen, chat_template_kwargs, prompt_tokens)
     model = await g.resolve_model()
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for c in todo:

@@ -17,13 +17,15 @@ skipped and counted).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tqdm import tqdm
 
 from ..data.chat import render_prompt
 from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
 from ..records import Conversation, Message, SkipCounter, SkipRecord
-from ..targets.load import load_target
+from ..targets.load import load_target, load_tokenizer, materialize_target
 from . import RunContext
 
 
@@ -172,14 +174,24 @@ def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list
     from ..generation.openai_chat import generate_conversations
 
     cfg = ctx.cfg.generate
+    kwargs = ctx.cfg.tokenize.chat_template_kwargs
+    prompt_tokens = None
+    if cfg.max_prompt_tokens:
+        tok = load_tokenizer(ctx.cfg.target)
+
+        def prompt_tokens(messages: list[dict]) -> int:
+            text = render_prompt(tok, messages, chat_template_kwargs=kwargs)
+            return len(tok(text, add_special_tokens=False).input_ids)
+
     skips = SkipCounter()
     finish_counts = {"stop": 0, "length": 0}
-    written = 0
+    written = over_limit = 0
     bar = tqdm(total=len(convs), initial=resumed, desc="generate", unit="conv", dynamic_ncols=True)
     with JsonlAppender(out_path) as w:
 
         def on_result(res) -> None:
-            nonlocal written
+            nonlocal written, over_limit
+            over_limit += res.over_max_prompt_tokens
             for s in res.skips:
                 skips.add(s)
             for f in res.finish_reasons:
@@ -190,14 +202,19 @@ def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list
             bar.update(1)
 
         try:
-            model = asyncio.run(generate_conversations(cfg, todo, on_result, ctx.cfg.tokenize.chat_template_kwargs))
+            model = asyncio.run(generate_conversations(cfg, todo, on_result, kwargs, prompt_tokens))
         finally:
             bar.close()
     total = resumed + written
     report = {
         "samples": total, "backend": "openai", "server": cfg.openai.base_url, "served_model": model,
-        "finish_reasons_this_run": finish_counts, "resumed_from": resumed, "skips": skips.to_json(),
+        "finish_reasons_this_run": finish_counts, "resumed_from": resumed,
+        "turns_over_max_prompt_tokens_this_run": over_limit, "skips": skips.to_json(),
     }
+    target_dir = materialize_target(ctx.cfg.target)
+    if Path(model).expanduser().resolve() != target_dir.resolve():
+        ctx.log(f"[eyas] generate: warning: the server serves '{model}', target.model is {target_dir}; the replies "
+                f"are the target's only if that is the same model (serve the target folder to silence this)")
     write_json_atomic(ctx.stage_dir("generate") / "report.json", report)
     if skips.total:
         ctx.log(f"[eyas] generate: {skips.total} conversations refused or cut by the server; reasons in "
