@@ -129,3 +129,41 @@ def test_writer_refuses_duplicates_and_unscaled_fp8(tmp_path):
     w.close()
     with pytest.raises(StoreError, match="already"):
         store.shard_writer().add("a", ids, aux, last)
+
+
+def test_background_writer_commits_valid_samples_and_raises_the_bad_ones(tmp_path):
+    from eyas.capture import CapturedSample
+    from eyas.store.pipeline import BackgroundWriter
+
+    store = HiddenStateStore.create_or_open(tmp_path / "st", _header())
+    g = torch.Generator().manual_seed(2)
+    bg = BackgroundWriter(store.shard_writer(), shard_bytes=3000, workers=2)
+    data = {}
+    for i in range(6):
+        data[f"s{i}"] = _sample(g, 3 + i)
+        bg.put(CapturedSample(f"s{i}", *data[f"s{i}"]))
+    ids, aux, last = _sample(g, 4)
+    aux[1, 2, 3] = float("inf")
+    bg.put(CapturedSample("bad", ids, aux, last, finite=False))
+    with pytest.raises(StoreError, match="sample bad: non-finite"):
+        bg.close()
+    again = HiddenStateStore.open(tmp_path / "st")
+    assert sorted(again.ids()) == sorted(data) and len(again.manifest_records()) > 1
+    for sid, (ids, aux, last) in data.items():
+        assert torch.equal(again.read(sid).aux, aux)
+    assert bg.samples == 6 and bg.tokens == sum(3 + i for i in range(6))
+
+
+def test_streamed_shard_is_a_valid_safetensors_file(tmp_path):
+    from safetensors.torch import load_file
+
+    store = HiddenStateStore.create_or_open(tmp_path / "st", _header(aux_format="float8_e4m3fn"))
+    data = _fill(store, [3, 8, 1], commit_every=3)
+    shard = next((tmp_path / "st" / "shards").iterdir())
+    loaded = load_file(shard)  # the library's own reader validates header, dtypes and offsets
+    assert len(loaded) == 4 * len(data)
+    for sid, (ids, aux, last) in data.items():
+        assert torch.equal(loaded[f"{sid}.input_ids"], ids.to(torch.int32))
+        assert torch.equal(loaded[f"{sid}.last"], last)
+        assert loaded[f"{sid}.aux"].dtype == torch.float8_e4m3fn
+    assert int.from_bytes(shard.read_bytes()[:8], "little") % 8 == 0

@@ -72,7 +72,7 @@ class _InFlight:
     samples: list[TokenizedSample]
     offsets: list[int]
     ids: torch.Tensor                 # int32 [N] (CPU)
-    tensors: dict[str, torch.Tensor]  # aux [N, L, H], last [N, H], optional aux_scale [N, L] (CPU, maybe pinned)
+    tensors: dict[str, torch.Tensor]  # aux [N, L, H], last [N, H], finite [1], aux_scale [N, L] (CPU, maybe pinned)
     events: list
 
 
@@ -136,7 +136,10 @@ class TransformersBackend:
                          use_cache=False)
         hl = out.last_hidden_state                                           # [B, T, H], post-norm
         last = hl.reshape(-1, self.hidden_size).index_select(0, self._index_on(hl.device)).to(self.store_dtype)
-        tensors = {"last": last}
+        # one flag per batch, computed where the states are (free on a GPU); a False makes the writer check each
+        # sample itself and name the bad one
+        finite = (torch.isfinite(self._aux).all() & torch.isfinite(last).all().to(self._aux.device)).reshape(1)
+        tensors = {"last": last, "finite": finite}
         if self.fp8:
             tensors["aux"], tensors["aux_scale"] = quantize_fp8(self._aux)
         else:
@@ -157,11 +160,12 @@ class TransformersBackend:
     def _finish(f: _InFlight) -> Iterator[CapturedSample]:
         for ev in f.events:
             ev.synchronize()
+        finite = bool(f.tensors["finite"][0])
         for r, s in enumerate(f.samples):
             a, b = f.offsets[r], f.offsets[r + 1]
             sc = f.tensors.get("aux_scale")
             yield CapturedSample(s.id, f.ids[a:b], f.tensors["aux"][a:b], f.tensors["last"][a:b],
-                                 None if sc is None else sc[a:b])
+                                 None if sc is None else sc[a:b], finite)
 
     def capture(self, samples: Sequence[TokenizedSample]) -> Iterator[CapturedSample]:
         """Yield each sample's states (CPU), batch by batch; see :class:`eyas.capture.CaptureBackend`.

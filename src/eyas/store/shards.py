@@ -32,12 +32,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from ..errors import StoreError
 from ..io import JsonlAppender, atomic_path, read_json, sha256_bytes, write_json_atomic
@@ -166,6 +166,31 @@ def read_safetensors_header(path: Path) -> tuple[bytes, dict]:
     if 8 + n + end != size:
         raise ValueError(f"file is {size} bytes, its header describes {8 + n + end}")
     return head + raw, meta
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+              torch.int64: "I64", FP8: "F8_E4M3"}
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``tensors`` back to back, in dict order.
+
+    Format (safetensors README): little-endian u64 header length, a JSON object ``{name: {"dtype", "shape",
+    "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded with spaces to a multiple of 8 bytes, then the
+    tensors' bytes. Writing the header ourselves lets :meth:`ShardWriter.write` stream each tensor's memory to the
+    file, where ``safetensors.torch.save`` would first build the whole shard in memory three times over (measured
+    on the H200 host: the store could not take more than about 0.5 GB/s that way, BENCHMARKS.md). Shards are read
+    back with the safetensors library itself.
+    """
+    meta: dict = {"__metadata__": metadata}
+    offset = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        meta[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    js = json.dumps(meta, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return struct.pack("<Q", len(js)) + js
 
 
 def _stored_names(sid: str, fp8: bool) -> list[str]:
@@ -375,8 +400,9 @@ def _cut_torn_tail(path: Path) -> None:
 class ShardWriter:
     """Validates samples and commits them as shards (atomic rename, then manifest line).
 
-    :meth:`prepare` (validate, quantise, checksum) is thread-safe and may run in a pool; :meth:`append` and
-    :meth:`commit` must be called from one thread. :meth:`add` does both.
+    :meth:`prepare` (validate, quantise, checksum) and :meth:`write` are thread-safe and may run in pools;
+    :meth:`append`, :meth:`take` and :meth:`commit` must be called from one thread. :meth:`add` does
+    prepare + append.
     """
 
     def __init__(self, store: HiddenStateStore, rank: int):
@@ -391,14 +417,17 @@ class ShardWriter:
         used = [int(n[len(prefix):].split(".")[0]) for n in names if n[len(prefix):].split(".")[0].isdigit()]
         self.next_index = max(used) + 1 if used else 0
         self.manifest = JsonlAppender(store.root / "manifest" / f"rank-{rank:03d}.jsonl")
+        self._lock = threading.Lock()
 
     def prepare(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                aux_scale: torch.Tensor | None = None) -> PreparedSample:
+                aux_scale: torch.Tensor | None = None, finite: bool = False) -> PreparedSample:
         """Validate one sample and put it in storage form (FIELD_NOTES extraction rule 3).
 
         ``input_ids`` [T] int; ``aux`` [T, L, H] in the store dtype, or, for an fp8 store, either in the store
         dtype (quantised here) or already float8_e4m3fn with ``aux_scale`` float32 [T, L]; ``last`` [T, H] in the
-        store dtype. Raises :class:`StoreError` naming the sample on a shape, dtype or finiteness problem.
+        store dtype. ``finite=True``: the caller has checked every value is finite on the device (the capture
+        backend does, where it costs nothing), so the CPU pass over the floats is skipped (fp8 scales are still
+        checked). Raises :class:`StoreError` naming the sample on a shape, dtype or finiteness problem.
         """
         h = self.store.header
         T = int(input_ids.shape[0])
@@ -409,7 +438,7 @@ class ShardWriter:
                              f"expected ({T}, {L}, {H}) and ({T}, {H})")
         if last.dtype != dt or aux.dtype not in (dt, h.aux_dtype):
             raise StoreError(f"sample {sid}: dtype {aux.dtype}/{last.dtype}, store holds {dt} (aux {h.aux_dtype})")
-        if not _all_finite(last) or (aux.dtype != FP8 and not _all_finite(aux)):
+        if not finite and (not _all_finite(last) or (aux.dtype != FP8 and not _all_finite(aux))):
             raise StoreError(f"sample {sid}: non-finite hidden states")
         ids32 = input_ids.to(torch.int32).contiguous().cpu()
         aux, last = aux.contiguous().cpu(), last.contiguous().cpu()
@@ -442,23 +471,38 @@ class ShardWriter:
         """:meth:`prepare` then :meth:`append` (see there for shapes and errors)."""
         self.append(self.prepare(sid, input_ids, aux, last, aux_scale))
 
-    def commit(self) -> ShardRecord | None:
-        """Write the buffered samples as one shard (atomic), then append and fsync its manifest line."""
+    def take(self) -> tuple[str, dict[str, torch.Tensor], list[ManifestEntry]] | None:
+        """Hand over the buffered samples as ``(shard name, tensors, entries)`` for :meth:`write`, and start a new
+        buffer. ``None`` when nothing is buffered."""
         if not self.entries:
             return None
-        name = f"shard-R{self.rank:03d}-{self.next_index:06d}.safetensors"
-        final = self.store.root / "shards" / name
-        data = save(self.buffer, metadata={"eyas_run_id": self.store.header.run_id})
-        (n,) = struct.unpack("<Q", data[:8])
-        with atomic_path(final) as tmp:
-            tmp.write_bytes(data)
-        rec = ShardRecord(name, len(data), sha256_bytes(data[: 8 + n]), self.store.header.run_id, self.entries)
-        self.manifest.append(rec.to_json())
-        for e in rec.samples:
-            self.store._index[e.id] = (name, e)
+        taken = (f"shard-R{self.rank:03d}-{self.next_index:06d}.safetensors", self.buffer, self.entries)
         self.next_index += 1
         self.buffer, self.entries, self.buffered_bytes = {}, [], 0
+        return taken
+
+    def write(self, taken: tuple[str, dict[str, torch.Tensor], list[ManifestEntry]]) -> ShardRecord:
+        """Write one taken shard (temporary name, fsync, rename), then append and fsync its manifest line.
+        Thread-safe: several shards may be written at once."""
+        name, tensors, entries = taken
+        head = safetensors_header(tensors, {"eyas_run_id": self.store.header.run_id})
+        size = len(head)
+        with atomic_path(self.store.root / "shards" / name) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                for t in tensors.values():  # straight from the tensors' memory: no serialised copy of the shard
+                    size += f.write(tensor_bytes(t))
+        rec = ShardRecord(name, size, sha256_bytes(head), self.store.header.run_id, entries)
+        with self._lock:
+            self.manifest.append(rec.to_json())
+            for e in rec.samples:
+                self.store._index[e.id] = (name, e)
         return rec
+
+    def commit(self) -> ShardRecord | None:
+        """Write the buffered samples as one shard (atomic), then append and fsync its manifest line."""
+        taken = self.take()
+        return self.write(taken) if taken else None
 
     def close(self) -> None:
         self.commit()
