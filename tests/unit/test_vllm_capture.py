@@ -146,3 +146,114 @@ def test_torchrun_data_parallel_is_refused(tiny_target, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="torchrun"):
         make_backend(TargetConfig(model=str(path)), ExtractConfig(backend="vllm"), [0, 2, 3], None)
+
+
+class ScriptedEngine:
+    """What :class:`VllmBackend` relies on from vLLM's in-process ``LLMEngine`` with our connector, scripted as read
+    from vLLM 0.32's source: ``add_request`` returns the id with a random suffix (``input_processor.py``
+    ``assign_request_id``); a request added before a step is prefilled in it and comes back finished with the
+    connector's ``kv_transfer_params`` (output ids are the caller's); the connector writes the file named after the
+    suffixed id in the *next* step (``get_finished`` gets the request from the scheduler one step later).
+
+    States written for a prompt: ``hidden[t, l, :] = token_t + l / 10 + arange(H) / 1000`` (distinct per sample,
+    token and layer). ``corrupt``: request ids whose file gets other token ids."""
+
+    def __init__(self, folder, n_states, hidden, corrupt=(), per_step=1000):
+        self.folder, self.n_states, self.hidden, self.corrupt = folder, n_states, hidden, set(corrupt)
+        self.per_step = per_step  # requests prefilled per step; the others wait (still running)
+        self.new, self.to_write, self.aborted, self.steps = [], [], [], 0
+
+    def add_request(self, rid, prompt, params):
+        engine_id = f"{rid}-{self.steps:08x}"
+        self.new.append((rid, engine_id, list(prompt["prompt_token_ids"])))
+        return engine_id
+
+    def states(self, ids):
+        t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+        return (t + torch.arange(self.n_states)[None, :, None] / 10
+                + torch.arange(self.hidden)[None, None, :] / 1000)       # [T, L', H]
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.steps += 1
+        for rid, engine_id, ids in self.to_write:                        # the connector, one step late
+            ids = [i + 1 for i in ids] if rid in self.corrupt else ids
+            write_atomic(str(self.folder / f"{engine_id}.safetensors"),
+                         {"hidden_states": self.states(ids), "token_ids": torch.tensor(ids)})
+        finished, self.new = self.new[: self.per_step], self.new[self.per_step:]
+        self.to_write = finished
+        return [SimpleNamespace(request_id=rid, finished=True, outputs=[],
+                                kv_transfer_params={"hidden_states_path": str(self.folder / f"{eid}.safetensors")})
+                for rid, eid, _ in finished]
+
+    def abort_request(self, rids):
+        self.aborted += rids
+
+
+@pytest.fixture
+def scripted(tiny_target):
+    path, model = tiny_target
+    be = VllmBackend(path, [0, 2, 3], compute_dtype="float32", store_dtype=torch.float32)
+    be._llm = ScriptedEngine(be.folder, n_states=4, hidden=36)     # engine ids [1, 3, 4, 6]: rows 0, 1, 2 + last 3
+    be.max_model_len, be._params = 64, object()
+    yield be, model
+    be._llm = None
+    be.close()
+
+
+def _samples(*lengths):
+    return [TokenizedSample(f"s{i}", [7 * i + k for k in range(n)], [1] * n) for i, n in enumerate(lengths)]
+
+
+def test_capture_is_keyed_by_sample_id_and_waits_one_step_for_each_file(scripted):
+    be, model = scripted
+    eng = be._llm
+    eng.add_request("warmup", {"prompt_token_ids": [1, 2, 3]}, None)  # not ours: its file must never be read
+    samples = _samples(5, 9, 1)
+    got = {}
+    for cs in be.capture(samples):
+        got[cs.sample_id] = cs
+        on_disk = {p.name.split("-")[0] for p in be.folder.iterdir()}    # request ids eyas00000000{i} <-> s{i}
+        assert not {f"eyas{int(sid[1:]):09d}" for sid in got} & on_disk   # each file is deleted once read
+    assert sorted(got) == ["s0", "s1", "s2"]
+    for s in samples:
+        want = eng.states(s.input_ids)
+        assert got[s.id].input_ids.tolist() == s.input_ids and got[s.id].input_ids.dtype == torch.int32
+        assert torch.equal(got[s.id].aux, want[:, :3])
+        with torch.no_grad():
+            assert torch.equal(got[s.id].last, model.model.norm(want[:, 3]))
+    assert [p.name for p in be.folder.iterdir()] == ["warmup-00000000.safetensors"]
+    assert be.stats["requests"] == 3 and be.stats["tokens"] == 15 and be.stats["engine_steps"] == 2
+
+
+def test_a_file_with_other_token_ids_is_refused_naming_the_sample(scripted):
+    be, _ = scripted
+    be._llm.corrupt = {"eyas000000001"}
+    with pytest.raises(VllmCaptureError, match=r"sample s1: .*eyas000000001-.*token ids differ .*position 0"):
+        list(be.capture(_samples(4, 6, 3)))
+
+
+def test_an_interrupted_capture_aborts_what_is_still_running(scripted):
+    be, _ = scripted
+    be._llm.per_step = 1                     # step 1 prefills s0 only; s1 and s2 are still running
+    gen = be.capture(_samples(4, 6, 3))
+    first = next(gen)                        # step 2 writes s0's file (and prefills s1)
+    gen.close()
+    assert first.sample_id == "s0" and be._llm.aborted == ["eyas000000002"]
+
+
+def test_a_sample_longer_than_the_engine_allows_is_named(scripted):
+    be, _ = scripted                         # engine started for max_model_len 64: at most 63 prompt tokens
+    with pytest.raises(VllmCaptureError, match=r"sample s1: 64 tokens, .*at most 63; set extract.vllm_engine_args"):
+        list(be.capture(_samples(5, 64)))
+
+
+def test_max_model_len_and_max_num_seqs_may_come_from_the_engine_args(tiny_target):
+    be = VllmBackend(tiny_target[0], [0, 2, 3], engine_args={"max_model_len": 300, "max_num_seqs": 8,
+                                                             "enforce_eager": True})
+    try:
+        assert (be.max_model_len, be.max_num_seqs, be.engine_args) == (300, 8, {"enforce_eager": True})
+    finally:
+        be.close()
+    assert not be.folder.exists()

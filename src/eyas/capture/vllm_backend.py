@@ -191,7 +191,9 @@ class VllmBackend:
             per-row scales (:mod:`eyas.store.fp8`).
         batch_tokens: vLLM's ``max_num_batched_tokens`` (raised to ``max_model_len`` when smaller: no chunked
             prefill); about twice this many prompt tokens are kept in flight.
-        max_model_len: the longest sample + 1 (one sampled token); default: set from the first ``capture`` call.
+        max_model_len: at least the longest sample + 1 (one sampled token); default: the first ``capture``
+            call's longest sample + 1 (later calls cannot exceed it). ``max_model_len`` and ``max_num_seqs`` in
+            ``engine_args`` take precedence over these arguments.
         max_num_seqs: requests in one engine step.
         engine_args: further ``vllm.EngineArgs`` fields (``tensor_parallel_size``, ``gpu_memory_utilization``,
             ``enforce_eager``...); the capture settings (prefix caching, chunked prefill, speculative and KV-transfer
@@ -202,9 +204,9 @@ class VllmBackend:
     ``input_ids`` int32 [T], ``aux`` [T, L, H], ``last`` [T, H] post-norm.
     """
 
-    RESERVED = {"model", "dtype", "enable_prefix_caching", "enable_chunked_prefill", "max_model_len",
-                "max_num_batched_tokens", "max_num_seqs", "speculative_config", "kv_transfer_config", "tokenizer",
-                "skip_tokenizer_init", "trust_remote_code", "disable_log_stats"}
+    RESERVED = {"model", "dtype", "enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
+                "speculative_config", "kv_transfer_config", "tokenizer", "skip_tokenizer_init", "trust_remote_code",
+                "disable_log_stats"}
 
     def __init__(self, target_dir: Path, layer_ids: list[int], *, compute_dtype: str = "bfloat16",
                  store_dtype: torch.dtype = torch.bfloat16, aux_format: str = "same", batch_tokens: int = 8192,
@@ -225,14 +227,15 @@ class VllmBackend:
         self.store_dtype = store_dtype
         self.fp8 = aux_format == "float8_e4m3fn"
         self.batch_tokens = batch_tokens
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
         self.engine_args = dict(engine_args or {})
+        self.max_model_len = self.engine_args.pop("max_model_len", None) or max_model_len
+        self.max_num_seqs = self.engine_args.pop("max_num_seqs", None) or max_num_seqs
         self.trust_remote_code = trust_remote_code
         self.norm = load_final_norm(self.target_dir, DTYPES[compute_dtype], trust_remote_code)
         self.folder = Path(tempfile.mkdtemp(prefix="eyas-vllm-hidden-", dir=workdir))
         self.engine = engine_record(compute_dtype, self.layers.engine_ids)
-        self._llm = None
+        self._llm = None     # the vllm LLMEngine, started by the first capture()
+        self._params = None  # its SamplingParams: one greedy token
         self._threads = torch.get_num_threads()
         self._next_request = 0
         self._engine_ids: dict[str, str] = {}
@@ -242,7 +245,7 @@ class VllmBackend:
 
     # ---------------------------------------------------------------- engine
     def _start(self, max_model_len: int) -> None:
-        from vllm import EngineArgs
+        from vllm import EngineArgs, SamplingParams
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
@@ -265,6 +268,7 @@ class VllmBackend:
                               "despite being asked not to; hidden states cannot be captured safely")
         self._llm = LLMEngine(vllm_config=vcfg, executor_class=Executor.get_class(vcfg), log_stats=False,
                               multiprocess_mode=False)
+        self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.max_model_len = max_model_len
         self.stats["engine_start_s"] = round(time.time() - t0, 1)
 
@@ -300,7 +304,8 @@ class VllmBackend:
             self._start(self.max_model_len or longest.num_tokens + 1)
         if longest.num_tokens + 1 > self.max_model_len:
             raise VllmCaptureError(f"sample {longest.id}: {longest.num_tokens} tokens, the engine was started for "
-                                   f"at most {self.max_model_len - 1}")
+                                   f"at most {self.max_model_len - 1}; set extract.vllm_engine_args.max_model_len "
+                                   "above the longest sample")
         budget = 2 * max(self.batch_tokens, self.max_model_len)
         todo = list(reversed(samples))            # pop() takes them in the given order
         self._asked: dict[str, TokenizedSample] = {}   # our request id -> sample
@@ -329,15 +334,12 @@ class VllmBackend:
                 self._llm.abort_request(running)
 
     def _submit(self, sample: TokenizedSample) -> None:
-        """Add one sample as a request: its token ids as they are, one greedy token, keyed by our request id."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
+        """Add one sample as a request: its token ids as they are (a ``TokensPrompt``), one greedy token, keyed by
+        our request id."""
         rid = f"eyas{self._next_request:09d}"
         self._next_request += 1
         try:
-            engine_id = self._llm.add_request(rid, TokensPrompt(prompt_token_ids=list(sample.input_ids)),
-                                              SamplingParams(max_tokens=1, temperature=0.0, detokenize=False))
+            engine_id = self._llm.add_request(rid, {"prompt_token_ids": list(sample.input_ids)}, self._params)
         except ValueError as e:
             raise VllmCaptureError(f"sample {sample.id}: vLLM refused the prompt: {e}") from None
         self._asked[rid] = sample
