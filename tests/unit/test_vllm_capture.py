@@ -257,3 +257,20 @@ def test_max_model_len_and_max_num_seqs_may_come_from_the_engine_args(tiny_targe
     finally:
         be.close()
     assert not be.folder.exists()
+
+
+def test_fp8_aux_states_come_with_one_scale_per_token_and_layer(tiny_target):
+    from eyas.store.fp8 import dequantize_fp8
+
+    be = VllmBackend(tiny_target[0], [0, 2, 3], compute_dtype="float32", store_dtype=torch.bfloat16,
+                     aux_format="float8_e4m3fn")
+    be._llm, be.max_model_len, be._params = ScriptedEngine(be.folder, n_states=4, hidden=36), 64, object()
+    try:
+        (cs,) = be.capture(_samples(7))
+    finally:
+        be._llm = None
+        be.close()
+    want = ScriptedEngine(None, 4, 36).states(list(range(7)))[:, :3]           # [T, L, H]
+    assert cs.aux.dtype == torch.float8_e4m3fn and cs.aux_scale.shape == (7, 3) and cs.last.dtype == torch.bfloat16
+    # e4m3 keeps 3 mantissa bits: rounding moves a value by at most 2^-4 of itself
+    torch.testing.assert_close(dequantize_fp8(cs.aux, cs.aux_scale, torch.float32), want, rtol=2**-4, atol=0)
