@@ -73,8 +73,9 @@ def engine_layers(layer_ids: list[int], num_layers: int) -> EngineLayers:
     """Map ``output_of_layer`` aux ids (0-based, as in the store) to vLLM's ``eagle_aux_hidden_state_layer_ids``.
 
     SmolLM2 (N = 30): ``[1, 14, 26]`` -> engine ids ``[2, 15, 27, 30]``, aux rows ``[0, 1, 2]``, last row 3. An aux id
-    ``N - 1`` shares hf_index N with the last state (one row, used twice). Raises ``ValueError`` on an id outside
-    ``[0, N)``.
+    ``N - 1`` shares hf_index N with the last state (one row, used twice). The ids are sent sorted and distinct
+    because vLLM captures them that way while sizing the cache-only layer by the list's length
+    (``ExtractHiddenStatesModel``). Raises ``ValueError`` on an id outside ``[0, N)``.
     """
     if any(i < 0 or i >= num_layers for i in layer_ids):
         raise ValueError(f"layer ids {layer_ids} must lie in 0..{num_layers - 1} (output_of_layer)")
