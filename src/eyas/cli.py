@@ -305,6 +305,11 @@ def print_summary(ctx: RunContext, s: dict) -> None:
                 else f"FAIL ({ev['lossless_mismatches']} prompts differ)")
     t.add_row("lossless check", lossless, "")
     t.add_row("exported drafter (SGLang)", s["export"]["folders"].get("sglang", "-"), secs("export"))
+    if "vllm" in s["export"]["folders"]:
+        t.add_row("exported drafter (vLLM speculators)", s["export"]["folders"]["vllm"], "")
+    if ev.get("speedup_estimate"):
+        t.add_row("speedup estimate", f"{ev['speedup_estimate']:.2f}x (from timed draft, verify and plain target "
+                  "steps)", "")
     out.print(t)
 
 
