@@ -174,15 +174,18 @@ class EyasHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Write the files of the requests the scheduler handed over in this step; report those written (and
+        announced finished) as done sending, which frees their blocks. Other TP ranks neither write nor report."""
+        if not self._writer:
+            return None, None
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, HiddenStateSaveMetadata):
                 for save in meta.saves:
-                    if self._writer:
-                        assert self._cache is not None, "register_kv_caches was not called"
-                        states = rows_from_blocks(self._cache, save.block_ids, len(save.token_ids))
-                        write_atomic(save.path, {"hidden_states": states,
-                                                 "token_ids": torch.tensor(save.token_ids, dtype=torch.long)})
+                    assert self._cache is not None, "register_kv_caches was not called"
+                    states = rows_from_blocks(self._cache, save.block_ids, len(save.token_ids))
+                    write_atomic(save.path, {"hidden_states": states,
+                                             "token_ids": torch.tensor(save.token_ids, dtype=torch.long)})
                     self._written.add(save.req_id)
         # vLLM accepts "finished sending" only for ids it has announced as finished (this call or an earlier one).
         self._finished |= finished_req_ids
