@@ -43,7 +43,8 @@ def _ctx(cfg_path: Path) -> RunContext:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, shared):
-    """A tokenized run of 5 real multi-turn ShareGPT conversations, extracted by ``eyas extract`` with vLLM."""
+    """A tokenized run of the first 5 rows of real multi-turn ShareGPT (4 samples survive), extracted by
+    ``eyas extract`` with vLLM in a subprocess."""
     root = tmp_path_factory.mktemp("extract_vllm")
     cfg = {
         "run_dir": str(root / "run"),
