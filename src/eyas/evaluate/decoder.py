@@ -221,6 +221,14 @@ def accept(tree: _Tree, logits: torch.Tensor, temperature: float, gen: torch.Gen
         cur = nxt
 
 
+def _additive(mask: torch.Tensor, target) -> torch.Tensor:
+    """A bool mask as an additive one (0 where visible, the dtype's minimum elsewhere) in the target's dtype.
+    transformers 5.19 passes a user's 4D mask through unchanged, and eager attention (gpt-oss's, with sinks) adds
+    it to the scores: a bool mask would add 0/1 instead of masking. SDPA takes either form."""
+    dtype = next(target.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
 def _keep_cache(cache, keep: torch.Tensor) -> None:
     """Keep only sequence positions ``keep`` (int64 [S']) of every layer of a transformers ``DynamicCache``."""
     for layer in cache.layers:
@@ -272,8 +280,8 @@ def speculative_generate(target, draft: Eagle3DraftModel, prompt_ids: list[int],
         t0 = time.perf_counter()
         ver = torch.tensor([[pending] + tree.tokens], device=dev)
         pos = torch.tensor([[n] + [n + d for d in tree.depths]], device=dev)
-        out = target(input_ids=ver, position_ids=pos, attention_mask=tree_mask(tree, n, dev), past_key_values=cache,
-                     use_cache=True, output_hidden_states=True)
+        out = target(input_ids=ver, position_ids=pos, attention_mask=_additive(tree_mask(tree, n, dev), target),
+                     past_key_values=cache, use_cache=True, output_hidden_states=True)
         path, bonus = accept(tree, out.logits[0].float(), spec.temperature, gen)
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)             # verify-pass rows kept
         _keep_cache(cache, torch.cat([torch.arange(n, device=dev), n + rows]))
