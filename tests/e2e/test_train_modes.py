@@ -74,3 +74,43 @@ def test_offline_equals_online_and_init_from(tmp_path, shared):
          ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
     got2 = load_file(str(tmp_path / "ft2" / "train" / "final" / "draft.safetensors"))
     assert (got2["d2t"] == d2t).all()
+
+
+def _stage_worker(rank: int, world: int, port: int, cfg_path: str):
+    import os
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    _run(cfg_path, ["train"], ["train.batch_size=2", "train.distributed=fsdp"])
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_train_stage_under_two_processes(tmp_path, shared):
+    """What `torchrun --nproc-per-node 2 -m eyas.cli train CONFIG` does, on CPU (gloo): both processes run the
+    stage; process 0 writes; the summary and the trajectory equal one process with the same global batch."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    stages = ["prepare", "generate", "tokenize", "vocab", "extract"]
+    one = _run(_config(tmp_path, shared, "one", batch_size=4), stages + ["train"])
+    cfg2 = _config(tmp_path, shared, "two", batch_size=4)
+    _run(cfg2, stages)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_stage_worker, args=(2, port, str(cfg2)), nprocs=2, join=True, start_method="fork")
+    done = json.loads((tmp_path / "two" / "train" / "done.json").read_text())["summary"]
+    assert done["steps"] == one["train"]["steps"] and done["loss"] == pytest.approx(one["train"]["loss"], rel=1e-5)
+    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    w1 = load_file(str(tmp_path / "one" / "train" / "final" / "draft.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "train" / "final" / "draft.safetensors"))
+    assert set(w1) == set(w2)
+    for k in w1:
+        assert (w1[k].float() - w2[k].float()).abs().max() < 1e-4, k

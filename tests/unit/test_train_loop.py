@@ -155,11 +155,11 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    data = ToySet(8, seed=6)
+    data = ToySet(5, seed=6)
     m, head = toy_model()
-    cfg = toy_cfg(batch_size=4 // world, distributed=strategy, checkpoint_every=1)
+    cfg = toy_cfg(batch_size=4 // world, distributed=strategy, checkpoint_every=1, eval_every=1)
     res = train(m, data, head, cfg, Path(out), torch.device("cpu"), {}, log=lambda s: None,
-                should_stop=lambda step: step == 2)
+                should_stop=lambda step: step == 2, held_out=ToySet(3, seed=7))
     if rank == 0:
         torch.save(res.final_state, Path(out) / "final.pt")
     import torch.distributed as dist
@@ -175,16 +175,18 @@ def test_two_processes_equal_one(tmp_path, strategy):
     two = tmp_path / "two"
     torch.set_num_threads(1)
     # one process, global batch 4
-    data = ToySet(8, seed=6)
+    data = ToySet(5, seed=6)
     m, head = toy_model()
-    r1 = train(m, data, head, toy_cfg(batch_size=4, checkpoint_every=1), one, torch.device("cpu"), {},
-               log=lambda s: None, should_stop=lambda step: step == 2)
-    # two processes, 2 each
+    r1 = train(m, data, head, toy_cfg(batch_size=4, checkpoint_every=1, eval_every=1), one, torch.device("cpu"),
+               {}, log=lambda s: None, should_stop=lambda step: step == 2, held_out=ToySet(3, seed=7))
+    # two processes, 2 each; 5 samples: the second global micro-batch has 1 (process 1 gets a weightless stand-in)
     mp.start_processes(_worker, args=(2, _free_port(), strategy, str(two)), nprocs=2, join=True,
                        start_method="fork")      # fork: the children skip re-importing torch (seconds on CI)
     l1, l2 = _losses(one), _losses(two)
     assert [s for s, _ in l1] == [s for s, _ in l2] == [1, 2]
     assert [x for _, x in l2] == pytest.approx([x for _, x in l1], rel=1e-6)
+    e1, e2 = ([json.loads(x)["eval_loss"] for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two))
+    assert e2 == pytest.approx(e1, rel=1e-5)      # 3 held-out samples over 2 processes: uneven rounds
     # after two optimizer steps, equal weights mean equal gradients at both steps (AdamW is elementwise)
     final2 = torch.load(two / "final.pt", weights_only=True)
     assert set(final2) == set(r1.final_state)

@@ -151,12 +151,20 @@ def run(ctx: RunContext) -> dict:
                    states=states, held_out=held_out)
     import torch.distributed as tdist
 
-    if tdist.is_initialized() and tdist.get_rank() != 0:
-        return {}
-    final = out / "final"
-    final.mkdir(parents=True, exist_ok=True)
+    summary = _write_final(out, result, dcfg, layer_ids, header, cfg, n_params) if result.final_state else None
+    if tdist.is_initialized():  # every process returns process 0's summary (each writes the same done.json)
+        box = [summary]
+        tdist.broadcast_object_list(box, src=0)
+        summary = box[0]
+    return summary
+
+
+def _write_final(out: Path, result, dcfg, layer_ids, header, cfg, n_params: int) -> dict:
+    """``train/final`` (weights + draft_config.json) and the stage summary; process 0 only."""
     from safetensors.torch import save_file
 
+    final = out / "final"
+    final.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in result.final_state.items()},
               str(final / "draft.safetensors"))
     write_json_atomic(final / "draft_config.json", {

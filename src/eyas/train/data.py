@@ -115,20 +115,18 @@ def epoch_plan(lengths: list[int], batch_size: int, world: int, seed: int, epoch
     per process). A function of (lengths, settings, seed, epoch) only, so a resumed run sees the same batches.
 
     Without ``batch_tokens``: ``batch_size * world`` samples of the epoch order per global micro-batch, process r
-    taking the r-th ``batch_size`` slice (so N processes see exactly one process's ``N * batch_size`` batch).
-    With ``batch_tokens`` (length buckets): the shuffled order is sorted by length within windows of 64 batches'
-    worth of samples, cut into batches of at most ``batch_tokens`` padded tokens (a longer sample alone), and the
-    batches are shuffled; ``world`` consecutive batches form a global micro-batch (a tail short of ``world`` is
-    dropped). Raises ``ValueError`` when the epoch has fewer samples than one global micro-batch needs.
+    taking the r-th ``batch_size`` slice (so N processes see exactly one process's ``N * batch_size`` batch, the
+    epoch's last, shorter one included: a process may get an empty list there, and the loop gives it a weightless
+    stand-in). With ``batch_tokens`` (length buckets): the shuffled order is sorted by length within windows of 64
+    batches' worth of samples, cut into batches of at most ``batch_tokens`` padded tokens (a longer sample alone),
+    and the batches are shuffled; ``world`` consecutive batches form a global micro-batch (the last one padded with
+    empty lists).
     """
     order = epoch_order(len(lengths), seed, epoch)
     if batch_tokens is None:
         g = batch_size * world
         out = [[order[i + r * batch_size: i + (r + 1) * batch_size] for r in range(world)]
-               for i in range(0, len(order) - g + 1, g)]
-        tail = order[len(out) * g:]
-        if tail and world == 1:
-            out.append([tail])
+               for i in range(0, len(order), g)]
     else:
         window = max(1, 64 * max(1, batch_tokens // max(1, max(lengths))))
         batches: list[list[int]] = []
@@ -144,7 +142,5 @@ def epoch_plan(lengths: list[int], batch_size: int, world: int, seed: int, epoch
                 batches.append(cur)
         perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch + 1))
         batches = [batches[j] for j in perm.tolist()]
-        out = [batches[i: i + world] for i in range(0, len(batches) - world + 1, world)]
-    if not out:
-        raise ValueError(f"{len(lengths)} samples are fewer than one global micro-batch ({world} processes)")
+        out = [batches[i: i + world] + [[]] * max(0, i + world - len(batches)) for i in range(0, len(batches), world)]
     return out

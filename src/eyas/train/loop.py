@@ -153,7 +153,11 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
         for _ in range(cfg.grad_accum):
             if micro >= plan.total_micro:
                 break
-            batch = states(collate([dataset[i] for i in plan.micro(micro, dist.rank)]), device)
+            idx = plan.micro(micro, dist.rank)
+            batch = states(collate([dataset[i] for i in (idx or [0])]), device)
+            if not idx:  # no sample for this process in the epoch's last global micro-batch: a weightless stand-in
+                batch.update(loss_mask=torch.zeros_like(batch["loss_mask"]), ids=[],
+                             attention_mask=torch.zeros_like(batch["attention_mask"]))
             batch_ids += batch["ids"]
             ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
             labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
@@ -217,20 +221,26 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
 def evaluate_held_out(step_module, held_out, states: StateSource, lm_head, draft_ids, t2d, cfg: TrainConfig,
                       dist: Dist, autocast) -> dict:
     """Loss and per-step accuracy on the held-out samples (each process takes every world-th batch):
-    ``eval_loss`` = sum_k decay^k (held-out CE of step k averaged over its counted positions), ``eval_acc_k``."""
+    ``eval_loss`` = sum_k decay^k (held-out CE of step k averaged over its counted positions), ``eval_acc_k``.
+    Every process runs the same number of forward passes (DDP/FSDP collectives); a process with no batch left in
+    a round repeats the first batch with weight 0."""
     K = cfg.ttt_steps
     sums = torch.zeros(3 * K, dtype=torch.float64, device=dist.device)     # ce_k sums, hits_k, counts_k
     step_module.eval()
-    idx = list(range(len(held_out)))
-    for b in range(dist.rank * cfg.batch_size, len(idx), cfg.batch_size * dist.world):
-        batch = states(collate([held_out[i] for i in idx[b: b + cfg.batch_size]]), dist.device)
+    starts = list(range(0, len(held_out), cfg.batch_size))
+    for r in range(0, len(starts), dist.world):
+        mine = r + dist.rank < len(starts)
+        b = starts[r + dist.rank] if mine else 0
+        batch = states(collate([held_out[i] for i in range(b, min(b + cfg.batch_size, len(held_out)))]),
+                       dist.device)
         mask = batch["loss_mask"].to(dist.device)
         labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
         ones = torch.ones(K, device=dist.device)        # denominators 1: the loss terms are CE sums
         with autocast:
             _, m = step_module(batch["input_ids"].to(dist.device), batch["aux"], labels, ones)
-        sums += torch.tensor([float(m[f"loss_{k}"]) for k in range(K)] + [float(m[f"hits_{k}"]) for k in range(K)]
-                             + [float(m[f"count_{k}"]) for k in range(K)], dtype=torch.float64, device=dist.device)
+        if mine:
+            sums += torch.stack([m[f"loss_{k}"] for k in range(K)] + [m[f"hits_{k}"] for k in range(K)]
+                                + [m[f"count_{k}"] for k in range(K)]).double()
     step_module.train()
     vals = dist.all_reduce(sums).tolist()
     out = {"eval_loss": sum(cfg.ttt_decay ** k * vals[k] / max(vals[2 * K + k], 1) for k in range(K))}
