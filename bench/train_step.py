@@ -219,8 +219,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['seq']:6}  ERROR {r['error'][:80]}")
         else:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['param_dtype']:6} {r['seq']:6} {r['step_ms']:9.1f} "
-                  f"{r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['param_dtype']:6} {r['seq']:6} "
+                  f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")
 
 

@@ -196,3 +196,14 @@ def test_two_processes_equal_one(tmp_path, strategy):
     s1 = json.loads((one / "checkpoints" / "step-00000002" / "state.json").read_text())
     s2 = json.loads((two / "checkpoints" / "step-00000002" / "state.json").read_text())
     assert s1["micro"] == s2["micro"] == 2 and s2["world"] == 2
+
+
+def test_token_budget_and_accumulation_cover_every_token(tmp_path):
+    data = ToySet(9, seed=8)
+    m, head = toy_model()
+    cfg = toy_cfg(batch_tokens=24, grad_accum=2, epochs=2)
+    res = train(m, data, head, cfg, tmp_path, torch.device("cpu"), {}, log=lambda s: None)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    n_micro = sum(len(epoch_plan([data.num_tokens(i) for i in range(9)], 2, 1, cfg.seed, e, 24)) for e in (0, 1))
+    assert res.steps == len(rows) == -(-n_micro // 2)
+    assert rows[-1]["tokens"] == 2 * sum(data.num_tokens(i) for i in range(9))   # real tokens, no padding

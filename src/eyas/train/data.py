@@ -94,11 +94,6 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def micro_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    order = epoch_order(n, seed, epoch)
-    return [order[i: i + batch_size] for i in range(0, n, batch_size)]
-
-
 def split_held_out(n: int, held_out: int, seed: int) -> tuple[list[int], list[int]]:
     """(train indices, held-out indices): ``held_out`` samples chosen by a seeded permutation (fixed for a run)."""
     if held_out <= 0:
