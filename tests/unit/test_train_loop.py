@@ -207,3 +207,16 @@ def test_token_budget_and_accumulation_cover_every_token(tmp_path):
     n_micro = sum(len(epoch_plan([data.num_tokens(i) for i in range(9)], 2, 1, cfg.seed, e, 24)) for e in (0, 1))
     assert res.steps == len(rows) == -(-n_micro // 2)
     assert rows[-1]["tokens"] == 2 * sum(data.num_tokens(i) for i in range(9))   # real tokens, no padding
+
+
+def test_wandb_asked_for_but_missing_warns(tmp_path):
+    pytest.importorskip("tensorboard")
+    try:
+        import wandb  # noqa: F401
+        pytest.skip("wandb is installed here")
+    except ImportError:
+        pass
+    m, head = toy_model()
+    with pytest.warns(UserWarning, match="wandb is not installed"):
+        train(m, ToySet(2, seed=9), head, toy_cfg(wandb_project="eyas-test"), tmp_path, torch.device("cpu"), {},
+              log=lambda s: None)
