@@ -207,3 +207,23 @@ def test_torchrun_two_processes_equal_one(runs):
             torch.testing.assert_close(x.aux.float(), y.aux.float(), rtol=2**-7, atol=1e-6)
             torch.testing.assert_close(x.last.float(), y.last.float(), rtol=2**-7, atol=1e-6)
     assert diagnose(root / "ddp").clean
+
+
+def test_doctor_checks_layer_ids_and_token_ids_against_the_run(runs):
+    root = runs["root"]
+    _copy_run(root, "drift", src="ref", with_extract=True)
+    run = root / "drift"
+    samples = run / "tokenize" / "samples.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    rows[4]["input_ids"][2] = (rows[4]["input_ids"][2] + 1) % 512  # tokenized again differently
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = diagnose(run)
+    assert [(f.kind, f.sample) for f in report.findings if f.kind != "missing"] == [("stale", rows[4]["id"])]
+    assert {f.sample for f in report.findings if f.kind == "missing"} == {rows[4]["id"]}
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["extract"]["layer_ids"] = [1, 2, 3]  # the run's config now asks for other layers
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    report = diagnose(run)
+    assert report.store_foreign and "layer_ids" in report.findings[0].reason
+    assert report.counts()["missing"] == len(rows)
