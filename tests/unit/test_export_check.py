@@ -126,3 +126,20 @@ def test_not_a_draft_folder(tmp_path):
     assert rep.layout == "unknown" and not rep.ok
     with pytest.raises(Exception, match="config.json"):
         check_folder(tmp_path / "missing")
+
+
+@pytest.mark.vllm
+def test_vllm_reads_our_speculators_config_as_written(tmp_path):
+    """vLLM's own speculators reader (vllm/transformers_utils/configs/speculators) on our config.json."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    write_vllm(tmp_path, _model(), TRAINED, "output_of_layer", TARGET, verifier="/models/target",
+               num_speculative_tokens=4)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    spec = SpeculatorsConfig.extract_vllm_speculative_config(raw)
+    assert spec == {"method": "eagle3", "num_speculative_tokens": 4}
+    hf = SpeculatorsConfig.extract_transformers_pre_trained_config(raw)
+    assert hf["architectures"] == ["Eagle3LlamaForCausalLM"] and hf["norm_before_residual"] is False
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7] and hf["draft_vocab_size"] == 13
+    assert hf["target_hidden_size"] == 16 and hf["num_hidden_layers"] == 1
