@@ -61,12 +61,12 @@ TINY = {
         special=["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>", "<|endoftext|>"],
         eot="<|return|>",
         shape=dict(hidden_size=48, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=256)),
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8)),
     "gemma3": dict(
         ref="gemma-3-1b-it", template="gemma-3-270m-it",
         special=["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>", eot="<end_of_turn>",
         shape=dict(hidden_size=48, intermediate_size=131, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                   sliding_window=256, query_pre_attn_scalar=16)),
+                   sliding_window=8, query_pre_attn_scalar=16)),
 }
 
 

@@ -229,6 +229,21 @@ def _additive(mask: torch.Tensor, target) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def _verify_masks(mask: torch.Tensor, pos: torch.Tensor, n: int, target):
+    """The verify pass's masks as the target takes them: additive (:func:`_additive`), and for a target with
+    sliding-window layers (gpt-oss, Gemma 3: ``config.layer_types``) a ``{layer type: mask}`` dict in which the
+    sliding layers also hide keys ``sliding_window`` or more positions behind the query (transformers' rule
+    ``q - k < sliding_window``); a user's 4D mask replaces the model's own, window included. ``pos`` [1, 1+N] the
+    verified entries' positions, ``n`` the cached prefix length (positions 0..n-1)."""
+    cfg = getattr(target.config, "get_text_config", lambda: target.config)()
+    window = getattr(cfg, "sliding_window", None)
+    if not window or "sliding_attention" not in (getattr(cfg, "layer_types", None) or ()):
+        return _additive(mask, target)
+    k_pos = torch.cat([torch.arange(n, device=pos.device), pos[0]])                  # [n+1+N]
+    near = (pos[0][:, None] - k_pos[None, :]) < window                                 # [1+N, n+1+N]
+    return {"full_attention": _additive(mask, target), "sliding_attention": _additive(mask & near, target)}
+
+
 def _keep_cache(cache, keep: torch.Tensor) -> None:
     """Keep only sequence positions ``keep`` (int64 [S']) of every layer of a transformers ``DynamicCache``."""
     for layer in cache.layers:
@@ -280,7 +295,8 @@ def speculative_generate(target, draft: Eagle3DraftModel, prompt_ids: list[int],
         t0 = time.perf_counter()
         ver = torch.tensor([[pending] + tree.tokens], device=dev)
         pos = torch.tensor([[n] + [n + d for d in tree.depths]], device=dev)
-        out = target(input_ids=ver, position_ids=pos, attention_mask=_additive(tree_mask(tree, n, dev), target),
+        out = target(input_ids=ver, position_ids=pos, attention_mask=_verify_masks(tree_mask(tree, n, dev), pos, n,
+                                                                                   target),
                      past_key_values=cache, use_cache=True, output_hidden_states=True)
         path, bonus = accept(tree, out.logits[0].float(), spec.temperature, gen)
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)             # verify-pass rows kept

@@ -51,11 +51,15 @@ def draft_config_for(target_cfg: dict, draft: DraftConfig, draft_vocab_size: int
 def projected_embedding(embed: torch.Tensor, width: int) -> torch.Tensor:
     """The target's embedding table [V, Ht] projected onto its ``width`` leading right-singular directions:
     [V, width] fp32, the best rank-``width`` linear summary of the table (a starting point for a narrower draft's
-    own, trained, embedding). Uses torch's randomized low-rank SVD (seeded by the caller)."""
+    own, trained, embedding). Deterministic: the directions are the top eigenvectors of the Gram matrix
+    ``E^T E`` [Ht, Ht] (float64), each signed so that its largest entry is positive."""
     if width >= embed.shape[1]:
         return embed[:, :width].float().clone()
-    _, _, v = torch.svd_lowrank(embed.float(), q=width, niter=4)   # v [Ht, width]
-    return embed.float() @ v
+    e = embed.double()
+    _, vecs = torch.linalg.eigh(e.T @ e)                      # ascending eigenvalues, vecs [Ht, Ht]
+    v = vecs[:, -width:].flip(-1)                              # [Ht, width], leading direction first
+    v = v * torch.sign(v.gather(0, v.abs().argmax(0, keepdim=True)))
+    return (e @ v).float()
 
 
 def build_draft(cfg: Eagle3Config, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
