@@ -182,6 +182,7 @@ class TransformersBackend:
             yield from self._finish(pending)
 
     def close(self) -> None:
+        """Remove the hooks (the model is left as it was)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

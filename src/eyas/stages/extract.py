@@ -86,6 +86,7 @@ def expected_header(ctx: RunContext, engine: dict | None = None) -> StoreHeader:
 
 
 def store_path(ctx: RunContext) -> Path:
+    """The run's hidden-state store folder, ``RUN/extract/store``."""
     return ctx.stage_dir("extract") / "store"
 
 
@@ -119,6 +120,7 @@ class _Dist:
         return None
 
     def barrier(self) -> None:
+        """Wait for every rank (no-op on one process)."""
         if self.world > 1:
             if torch.distributed.get_backend() == "nccl":
                 torch.distributed.barrier(device_ids=[self.local_rank])
@@ -126,11 +128,15 @@ class _Dist:
                 torch.distributed.barrier()
 
     def close(self) -> None:
+        """Destroy the process group if this context created it."""
         if self._owns_group:
             torch.distributed.destroy_process_group()
 
 
 def run(ctx: RunContext) -> dict:
+    """The extract stage: capture every tokenized sample the store lacks; returns the stage summary (samples,
+    tokens, layer ids, store bytes, bytes per token, tokens/s). Raises :class:`StoreError` when samples are still
+    missing at the end, or the store belongs to another run or configuration."""
     cfg = ctx.cfg.extract
     dist = _Dist()
     try:

@@ -48,6 +48,7 @@ class Finding:
     where: str = ""  # manifest file:line
 
     def to_json(self) -> dict:
+        """The finding without empty fields."""
         return {k: v for k, v in self.__dict__.items() if v not in (None, "")}
 
 
@@ -68,13 +69,16 @@ class DoctorReport:
 
     @property
     def clean(self) -> bool:
+        """True when nothing was found."""
         return not self.findings
 
     def counts(self) -> dict[str, int]:
+        """Findings per kind, every kind of :data:`KINDS` listed."""
         c = Counter(f.kind for f in self.findings)
         return {k: c.get(k, 0) for k in KINDS}
 
     def to_json(self, limit: int = 50) -> dict:
+        """The report as JSON, with at most ``limit`` findings."""
         return {"store": str(self.store), "run_dir": str(self.run_dir) if self.run_dir else None,
                 "samples_listed": self.samples_listed, "samples_ok": self.samples_ok, "counts": self.counts(),
                 "findings": [f.to_json() for f in self.findings[:limit]],

@@ -75,6 +75,7 @@ class StoreHeader:
     _IDENTITY_EXEMPT = ("engine",)
 
     def identity(self) -> dict:
+        """Every field except those in ``_IDENTITY_EXEMPT``: what must match for samples to be mixed."""
         d = asdict(self)
         for k in self._IDENTITY_EXEMPT:
             d.pop(k)
@@ -82,6 +83,7 @@ class StoreHeader:
 
     @property
     def fp8(self) -> bool:
+        """True when aux states are stored as float8_e4m3fn with per-(token, layer) scales."""
         return self.aux_format == "float8_e4m3fn"
 
     @property
@@ -102,6 +104,9 @@ class SampleStates:
 
 @dataclass
 class ManifestEntry:
+    """One sample in a manifest line: id, token count T, sha256 ``checksum`` of its stored tensors, ``aux_shape``
+    [T, L, H], ``last_shape`` [T, H] and the store dtype."""
+
     id: str
     tokens: int
     checksum: str
@@ -112,6 +117,9 @@ class ManifestEntry:
 
 @dataclass
 class ShardRecord:
+    """One manifest line: a committed shard's file name, size in bytes, sha256 of its safetensors header, the run
+    id that wrote it, and its samples."""
+
     shard: str
     bytes: int
     header_sha256: str
@@ -120,6 +128,7 @@ class ShardRecord:
     manifest: str = ""   # "rank-000.jsonl:3": where the record was read (for messages)
 
     def to_json(self) -> dict:
+        """The manifest line (without ``manifest``, which says where it was read)."""
         return {"run_id": self.run_id, "shard": self.shard, "bytes": self.bytes, "header_sha256": self.header_sha256,
                 "samples": [asdict(e) for e in self.samples]}
 
@@ -248,6 +257,7 @@ class HiddenStateStore:
         return store
 
     def manifest_files(self) -> list[Path]:
+        """``manifest/rank-*.jsonl``, sorted."""
         mdir = self.root / "manifest"
         return sorted(mdir.glob("rank-*.jsonl")) if mdir.exists() else []
 
@@ -341,6 +351,7 @@ class HiddenStateStore:
 
     # ---------------------------------------------------------------- writing
     def shard_writer(self, rank: int = 0) -> "ShardWriter":
+        """A writer of this rank's shards and ``manifest/rank-{rank:03d}.jsonl``."""
         return ShardWriter(self, rank)
 
     # ---------------------------------------------------------------- reading
@@ -351,9 +362,11 @@ class HiddenStateStore:
         return len(self._index)
 
     def ids(self) -> list[str]:
+        """Sample ids in the manifest, in manifest order."""
         return list(self._index)
 
     def entry(self, sid: str) -> ManifestEntry:
+        """The manifest entry of ``sid``; KeyError for an unknown id."""
         return self._index[sid][1]
 
     def _handle(self, shard: str):
@@ -506,6 +519,7 @@ class ShardWriter:
         return self.write(taken) if taken else None
 
     def close(self) -> None:
+        """Commit what is buffered and close the manifest file."""
         self.commit()
         self.manifest.close()
 
