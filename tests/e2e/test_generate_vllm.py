@@ -184,3 +184,24 @@ def test_max_prompt_tokens_ends_conversations_before_long_prompts(vllm_server, s
             assert n_tokens(history) >= limit
     assert report["turns_over_max_prompt_tokens_this_run"] == cut > 0
     assert cut < len(out)  # and some conversations were answered in full
+
+
+def test_request_time_out_is_a_server_error(vllm_server, tmp_path):  # noqa: F811
+    from eyas.config import GenerateConfig
+    from eyas.generation.openai_chat import ServerError
+
+    gen = GenerateConfig(backend="openai", max_new_tokens=256, openai={
+        "base_url": vllm_server.base_url, "timeout_s": 0.05, "max_retries": 1})
+    g = OpenAIChatGenerator(gen)
+    g.model = vllm_server.model
+
+    async def ask():
+        try:
+            return await g.reply([{"role": "user", "content": "Tell me a long story about the sea."}])
+        finally:
+            await g.client.close()
+
+    t0 = time.time()
+    with pytest.raises(ServerError, match="no answer after 1 retries"):
+        asyncio.run(ask())
+    assert time.time() - t0 < 30  # two short attempts with one back-off between them, not a hang
