@@ -9,10 +9,12 @@ import pytest
 from openai.types.chat import ChatCompletion
 from vllm_server import free_port
 
-from eyas.config import RunConfig
+from eyas.config import RunConfig, SourceConfig
+from eyas.data.formats import load_source
 from eyas.generation.openai_chat import ServerError, reply_from_choice
 from eyas.io import iter_jsonl
-from eyas.stages import RunContext, init_run_dir, run_stage
+from eyas.records import SkipCounter
+from eyas.stages import RunContext, run_stage
 
 
 def _completion(message: dict, finish_reason: str) -> ChatCompletion:
@@ -36,21 +38,21 @@ def test_reply_keeps_reasoning_from_vllm_and_older_servers():
     assert (r.content, r.reasoning) == ("", None)
 
 
-def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, stories_dir, tmp_path):
-    rows = (shared / "data" / "train" / "gsm8k_train.jsonl").read_text().splitlines()[:3]
-    src = tmp_path / "gsm8k3.jsonl"
-    src.write_text("\n".join(rows) + "\n")
+def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp_path):
+    src = SourceConfig(path=str(shared / "data" / "train" / "gsm8k_train.jsonl"), max_rows=3)
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     cfg = RunConfig.model_validate({
         "run_dir": str(tmp_path / "run"),
-        "target": {"model": str(stories_dir)},
-        "prepare": {"sources": [{"path": str(src)}]},
+        "target": {"model": "not-loaded-by-the-openai-backend"},
+        "prepare": {"sources": [src.model_dump()]},
         "generate": {"backend": "openai", "openai": {"base_url": url, "max_retries": 0, "timeout_s": 5}},
     })
     ctx = RunContext(cfg=cfg, log=lambda m: None)
-    init_run_dir(ctx, ["pytest"])
-    run_stage(ctx, "prepare")
-    first = next(d for _, d in iter_jsonl(ctx.stage_dir("prepare") / "conversations.jsonl"))
+    # what prepare writes, without loading a tokenizer for its report
+    convs = [c.to_json() for c in load_source(src, SkipCounter(), {})]
+    (ctx.stage_dir("prepare")).mkdir(parents=True)
+    (ctx.stage_dir("prepare") / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    first = convs[0]
     out = ctx.stage_dir("generate") / "conversations.jsonl"
     out.parent.mkdir(parents=True)
     out.write_text(json.dumps(first) + "\n")  # finished by an earlier run
