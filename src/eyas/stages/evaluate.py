@@ -145,6 +145,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
 
 
 def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
+    from transformers import GenerationConfig
+
     from ..evaluate.vllm_engine import run_vllm
     from ..targets.load import load_tokenizer
 
@@ -152,12 +154,9 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     if cfg.topk != 1:
         raise ConfigError("evaluate.engine=vllm drafts chains only: set evaluate.topk=1")
     tok = load_tokenizer(ctx.cfg.target)
-    import json
-
     tdir = materialize_target(ctx.cfg.target)
-    gen = json.loads((tdir / "generation_config.json").read_text()) if (tdir / "generation_config.json").exists() else {}
-    eos = gen.get("eos_token_id", tok.eos_token_id)
-    eos_ids = sorted(set((eos if isinstance(eos, list) else [eos]) + [tok.eos_token_id]) - {None})
+    eos = GenerationConfig.from_pretrained(tdir).eos_token_id if (tdir / "generation_config.json").exists() else None
+    eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})   # as model_eos_ids
     res = run_vllm(tdir, folder, {n: [t for _, t in convs] for n, convs in sets.items()},
                    num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                    dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
