@@ -87,3 +87,20 @@ def test_batches_of_whole_batch_subsets_are_reproduced():
         subset = [i for k in keep for i in plan[k]]
         again = [[subset[j] for j in b] for b in token_budget_batches([lengths[i] for i in subset], 24)]
         assert again == [plan[k] for k in keep]
+
+
+def test_make_backend_loads_the_base_model_with_device_map(model, samples, tmp_path):
+    from eyas.capture import make_backend
+    from eyas.config import ExtractConfig, TargetConfig
+
+    model.save_pretrained(tmp_path / "target")
+    target = TargetConfig(model=str(tmp_path / "target"), dtype="float32", device="cpu")
+    backend = make_backend("transformers", target, ExtractConfig(layer_ids=LAYERS, dtype="float32", batch_tokens=60,
+                                                                 device_map="auto"), LAYERS, None)
+    assert type(backend.model).__name__ == "LlamaModel"  # no lm_head loaded
+    assert backend.engine["compute_dtype"] == "float32" and backend.engine["device_map"] == "auto"
+    for c in backend.capture(samples[:3]):
+        aux_ref, last_ref = _reference(model, next(s for s in samples if s.id == c.sample_id))
+        torch.testing.assert_close(c.aux, aux_ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(c.last, last_ref, rtol=0, atol=1e-5)
+    backend.close()
