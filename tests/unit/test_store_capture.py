@@ -104,3 +104,49 @@ def test_make_backend_loads_the_base_model_with_device_map(model, samples, tmp_p
         torch.testing.assert_close(c.aux, aux_ref, rtol=0, atol=1e-5)
         torch.testing.assert_close(c.last, last_ref, rtol=0, atol=1e-5)
     backend.close()
+
+
+class _WithExtraRequest:
+    """The real transformers backend, plus one capture the stage did not ask for (an engine's warm-up or health
+    check request) or with other token ids, yielded first."""
+
+    def __init__(self, backend, sample_id, token_shift):
+        self.backend, self.sample_id, self.token_shift = backend, sample_id, token_shift
+        self.engine = backend.engine
+
+    def capture(self, samples):
+        from dataclasses import replace
+
+        captured = list(self.backend.capture(samples))
+        extra = replace(captured[0], sample_id=self.sample_id or captured[0].sample_id,
+                        input_ids=captured[0].input_ids + self.token_shift)
+        yield extra
+        yield from captured
+
+    def close(self):
+        self.backend.close()
+
+
+@pytest.mark.parametrize("sample_id, token_shift, message", [("warmup-0", 0, "'warmup-0', which was not asked for"),
+                                                             (None, 1, "other token ids")])
+def test_extract_stores_only_what_it_asked_for(model, samples, tmp_path, monkeypatch, sample_id, token_shift,
+                                               message):
+    from eyas.capture import make_backend
+    from eyas.config import RunConfig
+    from eyas.errors import StoreError
+    from eyas.stages import RunContext, extract
+    from eyas.store import HiddenStateStore, StoreHeader
+
+    model.save_pretrained(tmp_path / "target")
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"), "target": {"model": str(tmp_path / "target"), "device": "cpu"},
+        "prepare": {"sources": [{"path": "unused.jsonl"}]},
+        "extract": {"layer_ids": LAYERS, "dtype": "float32", "batch_tokens": 60}})
+    header = StoreHeader(run_id="r", target={}, tokenizer={}, layer_ids=LAYERS, layer_convention="output_of_layer",
+                         last_hidden="post_norm", hidden_size=36, dtype="float32", engine={"name": "transformers"})
+    store = HiddenStateStore.create_or_open(tmp_path / "store", header)
+    monkeypatch.setattr(extract, "make_backend",
+                        lambda *a, **k: _WithExtraRequest(make_backend(*a, **k), sample_id, token_shift))
+    with pytest.raises(StoreError, match=message):
+        extract.extract_missing(RunContext(cfg=cfg, log=lambda m: None), store, samples)
+    assert len(HiddenStateStore.open(tmp_path / "store")) == 0  # nothing reached the store
