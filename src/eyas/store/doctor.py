@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from ..errors import EyasError
 from ..io import iter_jsonl, read_json, write_text_atomic
-from .fp8 import FP8, fp8_has_nan
+from .fp8 import fp8_has_nan
 from .shards import DTYPES, HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
 
 KINDS = ("missing", "corrupt", "foreign", "stale", "duplicate", "orphan")
@@ -264,9 +264,10 @@ def repair(report: DoctorReport, log=print) -> DoctorReport:
         for p in sorted((root / "shards").iterdir()):
             if p.name not in kept_files:
                 p.unlink()
-        dropped = sum(1 for f in report.findings if f.kind != "missing" and f.sample)
-        log(f"[eyas] doctor: dropped {dropped} bad entries and {len(report.findings) - dropped} other findings' "
-            f"files/lines; re-extracting the missing samples")
+        c = report.counts()
+        log(f"[eyas] doctor: manifest rewritten without {c['corrupt'] + c['foreign'] + c['stale'] + c['duplicate']} "
+            f"bad findings, {len(report.orphan_files)} unlisted files deleted; re-extracting {c['missing']} "
+            f"missing samples")
     from ..stages import extract
 
     ctx = _run_context(report.run_dir)
