@@ -422,8 +422,8 @@ def eval_worker(args) -> None:
         if (folder / "config.json").exists():
             d, layer_ids = load_sglang_draft(folder, embed)
             drafts[v] = (d.to(target.device), layer_ids)  # fp32 draft, bf16 target
-    tasks = [(v, sname, spec) for v in drafts for sname in specs if v == "headline" or sname != "tree_d5_k4_n8"]
-    jobs = [(v, s, p) for v, s, _ in tasks for p in range(len(prompts))]
+    tasks = [(v, sname) for v in drafts for sname in specs if v == "headline" or sname != "tree_d5_k4_n8"]
+    jobs = [(v, s, p) for v, s in tasks for p in range(len(prompts))]
     for j, (v, sname, p) in enumerate(jobs):
         if j % args.workers != args.worker:
             continue
@@ -472,8 +472,12 @@ def cmd_pack(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs)
-    subprocess.run(["tar", "czf", str(out / "results.tar.gz"), "--exclude=store", "--exclude=checkpoints",
-                    "--exclude=probe_train_*", "-C", str(runs.parent), runs.name], check=True)
+    skip = [f"--exclude={runs.name}/{out.resolve().relative_to(runs.resolve())}"] \
+        if out.resolve().is_relative_to(runs.resolve()) else []
+    rc = subprocess.run(["tar", "czf", str(out / "results.tar.gz"), "--exclude=store", "--exclude=checkpoints",
+                         "--exclude=probe_train_*", *skip, "-C", str(runs.parent), runs.name]).returncode
+    if rc > 1:  # 1: a file changed while it was read (a log still being written): the archive is still whole
+        raise SystemExit(f"tar failed ({rc})")
     for v in args.drafters.split(","):
         folder = runs / v / "export" / "sglang"
         if (folder / "config.json").exists():

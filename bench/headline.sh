@@ -11,9 +11,9 @@ cd "$(dirname "$0")/.."
 step=${1:?step}
 H="python3 bench/headline.py"
 # The budget cut BENCHMARKS.md describes: single-turn sources only (the multi-turn file's turn-by-turn batches
-# cannot finish inside a call) and the first 2,000 GSM8K rows; 192 new tokens; one epoch.
+# cannot finish inside a call) and the first 2,000 GSM8K rows; 192 new tokens (one epoch: headline.yaml).
 SUBSET=(--set "prepare.sources=[{path: .hdata/train/sharegpt_sg90k_sampled.json}, {path: .hdata/train/sharegpt_prompts_500.json}, {path: .hdata/train/alpaca_en_demo.json}, {path: .hdata/train/gsm8k_train.jsonl, max_rows: 2000}]"
-        --set generate.max_new_tokens=192 --set train.epochs=1)
+        --set generate.max_new_tokens=192)
 gpu_env() {
   export PYTHONPATH=$PWD/.hsrc:/root/site PYTHONUNBUFFERED=1 EYAS_CACHE=/root/eyas-cache TQDM_MININTERVAL=30
   export HEADLINE_RUNS=/root/runs  # outside the checkout: ignored folders that a call does not carry are removed
