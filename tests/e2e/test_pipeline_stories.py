@@ -23,7 +23,7 @@ def _config(tmp_path, shared, **over):
         # GSM8K questions: real prompts short enough for stories260K's 512-token context.
         "prepare": {"sources": [{"path": str(shared / "data" / "train" / "gsm8k_train.jsonl"), "max_rows": 24}]},
         "generate": {"max_new_tokens": 40, "batch_size": 12},
-        "tokenize": {"max_length": 256},
+        "tokenize": {"max_length": 400},
         "vocab": {"draft_vocab_size": 300},
         "extract": {"layer_ids": [1, 2, 3], "shard_bytes": 20000},
         "train": {"ttt_steps": 3, "epochs": 3, "lr": 3e-3, "batch_size": 4, "checkpoint_every": 5},
