@@ -142,7 +142,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
             "DeepSeek-V3": dict(
                 model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=61,
                 hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-                n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, num_attention_heads=128,
+                n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
+                topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                num_attention_heads=128,
                 num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                 qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, max_position_embeddings=163840,
                 rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -152,7 +154,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
             "Kimi-K2-Instruct": dict(
                 model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=61,
                 hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384,
-                n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, num_attention_heads=64,
+                n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.827,
+                num_attention_heads=64,
                 num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                 qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, max_position_embeddings=131072,
                 rms_norm_eps=1e-6, rope_theta=50000.0,
