@@ -467,7 +467,7 @@ def cmd_evaluate(args) -> None:
 
 # ------------------------------------------------------------------------------------------------------ pack
 def cmd_pack(args) -> None:
-    """OUT/results.tar.gz: every run folder without hidden states, checkpoints or shards; OUT/drafter.tar.part_*:
+    """OUT/results.tar.gz: every run folder without hidden states, checkpoints or weights; OUT/drafter_*.tar.part_*:
     the headline's SGLang folder in parts under 15 MiB (the device returns files of at most 16 MiB)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -475,7 +475,8 @@ def cmd_pack(args) -> None:
     skip = [f"--exclude={runs.name}/{out.resolve().relative_to(runs.resolve())}"] \
         if out.resolve().is_relative_to(runs.resolve()) else []
     rc = subprocess.run(["tar", "czf", str(out / "results.tar.gz"), "--exclude=store", "--exclude=checkpoints",
-                         "--exclude=probe_train_*", *skip, "-C", str(runs.parent), runs.name]).returncode
+                         "--exclude=probe_train_*", "--exclude=final", "--exclude=export", *skip,
+                         "-C", str(runs.parent), runs.name]).returncode  # drafters travel as parts, below
     if rc > 1:  # 1: a file changed while it was read (a log still being written): the archive is still whole
         raise SystemExit(f"tar failed ({rc})")
     for v in args.drafters.split(","):
