@@ -193,8 +193,9 @@ def load_trained_draft(ctx: RunContext, device: torch.device):
     bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
     if bad or unexpected:
         raise RuntimeError(f"draft weights do not match the model: missing {bad}, unexpected {unexpected}")
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
+    if not model.config.own_embedding:  # a draft of another width saved its own table with its weights
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed)
     return model.to(device).eval(), meta
 
 
