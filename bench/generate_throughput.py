@@ -9,8 +9,10 @@ then), greedy, so the token counts are equal and tokens/s compare directly.
 - vLLM: SmolLM2-135M-Instruct served in bf16 (shared/docs/VLLM_CPU.md flags: ``--max-model-len 1024``,
   ``--enforce-eager``); all prompts sent at once through :func:`eyas.generation.openai_chat.generate_conversations`
   (concurrency = number of prompts). Server start-up is reported but not counted.
-- transformers: :func:`eyas.stages.generate.generate_batch` (left-padded batches, longest first, as the generate
-  stage runs them) in the target's configured dtype (float32 by default, the demo's CPU setting).
+- transformers: the generate stage's in-process engine (:func:`eyas.generation.inprocess.make_engine`: the
+  continuous-batching :class:`~eyas.generation.engine.SlotEngine`, ``--batch-size`` slots) in the target's configured
+  dtype (float32 by default, the demo's CPU setting), with no end id so every reply has the same length. (The
+  figures in BENCHMARKS.md were measured with the stage's earlier padded-batch ``generate`` path, commit 3818037.)
 Wall-clock tokens/s depend on what else runs on the machine; the CPU seconds each backend used (this process for
 transformers, the server's process tree for vLLM, over the timed part only) are reported too, and tokens per
 CPU-second compare the two even on a busy machine.
@@ -40,7 +42,7 @@ from eyas.data.chat import render_prompt  # noqa: E402
 from eyas.data.formats import load_source  # noqa: E402
 from eyas.generation.openai_chat import generate_conversations  # noqa: E402
 from eyas.records import Conversation, SkipCounter  # noqa: E402
-from eyas.stages.generate import generate_batch  # noqa: E402
+from eyas.generation.engine import GenRequest, SlotEngine  # noqa: E402
 from eyas.targets.load import load_target  # noqa: E402
 from vllm_server import SMOLLM2, smollm2_dir, start_vllm_server  # noqa: E402
 
@@ -60,16 +62,16 @@ def pick_prompts(tok, n: int, max_prompt_tokens: int = 512) -> list[Conversation
 
 def bench_transformers(target, convs: list[Conversation], gen: GenerateConfig) -> dict:
     tok = target.tokenizer
-    target.model.generation_config.min_new_tokens = gen.max_new_tokens  # as vLLM's min_tokens below
-    prompts = [render_prompt(tok, c.chat_messages()) for c in convs]
-    prompts.sort(key=lambda p: -len(p))  # as the generate stage orders its batches
+    prompts = [tok(render_prompt(tok, c.chat_messages()), add_special_tokens=False).input_ids for c in convs]
+    engine = SlotEngine(target.model, slots=gen.batch_size or 16, cache_len=max(map(len, prompts)) +
+                        gen.max_new_tokens, max_new_tokens=gen.max_new_tokens, eos_ids=[])  # as vLLM's min_tokens
+    queue = [GenRequest(i, p, gen.max_new_tokens) for i, p in enumerate(prompts)]
+    finishes = []
     t0, c0 = time.perf_counter(), time.process_time()
-    n_tokens = 0
-    for b in range(0, len(prompts), gen.batch_size):
-        outs = generate_batch(target.model, tok, prompts[b: b + gen.batch_size], gen, gen.seed)
-        n_tokens += gen.max_new_tokens * len(outs)
-        assert all(f == "length" for _, f in outs)
+    engine.run(lambda n: [queue.pop() for _ in range(min(n, len(queue)))], lambda r: finishes.append(r.finish))
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert len(finishes) == len(prompts) and all(f == "length" for f in finishes)
+    n_tokens = engine.stats.new_tokens
     return {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "tokens": n_tokens,
             "tokens_per_s": round(n_tokens / seconds, 1), "tokens_per_cpu_s": round(n_tokens / cpu, 1)}
 

@@ -83,11 +83,17 @@ class GenerateConfig(Section):
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(16, ge=1, description="prompts generated together")
+    batch_size: int | None = Field(
+        None, ge=1, description="requests decoded at once (slots of the in-process engine; lowered to what the GPU "
+        "memory holds); null: 1024 on a GPU, 16 on the CPU")
+    engine: Literal["auto", "slots", "generate"] = Field(
+        "auto", description="backend transformers: 'slots' = continuous batching with CUDA graphs "
+        "(eyas.generation.engine; Llama/Qwen layouts), 'generate' = transformers' generate in batches, 'auto' = "
+        "slots when the target is supported")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="a turn whose rendered prompt has at least this many tokens is not generated and "
-        "the conversation ends before it (set it to tokenize.max_length: those tokens would be cut anyway); "
-        "null: no limit"
+        "the conversation ends before it; null: tokenize.max_length for the in-process backend (longer samples "
+        "are cut there anyway), no limit for the openai backend"
     )
     seed: int = 0
     openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig,

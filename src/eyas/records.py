@@ -20,14 +20,26 @@ Role = Literal["system", "user", "assistant"]
 
 @dataclass
 class Message:
+    """One turn. ``token_ids``: a regenerated reply's exact token ids as the target emitted them (without the
+    end-of-turn token), kept beside its text so later stages can check that the text renders back to them."""
+
     role: Role
     content: str
     reasoning_content: str | None = None
+    token_ids: list[int] | None = None
 
     def to_dict(self) -> dict:
+        """The chat-template form (role, content, reasoning)."""
         d = {"role": self.role, "content": self.content}
         if self.reasoning_content:
             d["reasoning_content"] = self.reasoning_content
+        return d
+
+    def to_json(self) -> dict:
+        """The on-disk form: :meth:`to_dict` plus ``token_ids`` when known."""
+        d = self.to_dict()
+        if self.token_ids is not None:
+            d["token_ids"] = self.token_ids
         return d
 
 
@@ -44,7 +56,7 @@ class Conversation:
         return stable_hash([[m.role, m.content] for m in messages], n=16)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "source": self.source, "messages": [m.to_dict() for m in self.messages]}
+        return {"id": self.id, "source": self.source, "messages": [m.to_json() for m in self.messages]}
 
     @classmethod
     def from_json(cls, d: dict) -> "Conversation":

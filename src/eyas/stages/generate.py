@@ -1,9 +1,11 @@
 """generate: the target regenerates every assistant turn, so the drafter learns the target's own replies.
 
-In-process transformers backend: conversations are processed in batches (sorted by prompt length, left-padded),
-turn by turn for multi-turn conversations (turn i is generated with the regenerated turns before it). Each
-finished conversation is appended to ``generate/conversations.jsonl`` and fsynced as soon as its batch completes;
-a re-run skips ids already there, so an interrupted run resumes where it stopped.
+In-process ``transformers`` backend (:mod:`eyas.generation.inprocess`): turn by turn (turn i is prompted with the
+replies regenerated before it), through a continuous-batching engine (:mod:`eyas.generation.engine`: slots refilled
+as replies finish, the decode step replayed as a CUDA graph) or, for targets it does not cover, transformers'
+``generate``. Each conversation is appended to ``generate/conversations.jsonl`` and fsynced as soon as its last turn
+returns; a re-run skips ids already there, so an interrupted run resumes where it stopped. Replies are stored as
+the target emitted them (token ids and their text, special tokens kept).
 
 ``generate.backend: openai`` sends the same turn-by-turn requests to an OpenAI-compatible server that serves the
 target (vLLM, SGLang; :mod:`eyas.generation.openai_chat`): bounded concurrency, retries with back-off, time-outs,
@@ -19,54 +21,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from ..data.chat import render_prompt
 from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
-from ..records import Conversation, Message, SkipCounter, SkipRecord
+from ..generation.inprocess import TurnScheduler, make_engine
+from ..records import Conversation, SkipCounter, SkipRecord
 from ..targets.load import load_target, load_tokenizer, materialize_target
 from . import RunContext
 
 
 def _load(ctx: RunContext, stage: str) -> list[Conversation]:
     return [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir(stage) / "conversations.jsonl")]
-
-
-def _user_prefixes(conv: Conversation) -> list[list[Message]]:
-    """For each user turn, the messages up to and including it (system + earlier turns)."""
-    return [conv.messages[: i + 1] for i, m in enumerate(conv.messages) if m.role == "user"]
-
-
-@torch.no_grad()
-def generate_batch(model, tokenizer, prompts: list[str], cfg, generator_seed: int) -> list[tuple[str, str]]:
-    """Generate one reply per prompt text (already rendered with the chat template).
-
-    Returns ``(text, finish_reason)`` per prompt, ``finish_reason`` ``"stop"`` (end-of-turn token) or ``"length"``.
-    """
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    if cfg.temperature > 0:
-        torch.manual_seed(generator_seed)
-        kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p)
-    else:
-        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(**enc, **kwargs)
-    new = out[:, enc.input_ids.shape[1]:]
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    results = []
-    for row in new.tolist():
-        finish = "length"
-        for j, t in enumerate(row):
-            if t in eos_ids:
-                row, finish = row[:j], "stop"
-                break
-        results.append((tokenizer.decode(row, skip_special_tokens=True).strip(), finish))
-    return results
 
 
 def run(ctx: RunContext) -> dict:
@@ -99,72 +65,35 @@ def run(ctx: RunContext) -> dict:
         return _run_openai(ctx, out_path, convs, todo, len(done_ids))
     target = load_target(ctx.cfg.target)
     tok = target.tokenizer
-    # Longest prompts first: the largest batches run while memory is fresh, and padding stays small.
-    todo.sort(key=lambda c: -sum(len(m.content) for m in c.messages))
-    finish_counts = {"stop": 0, "length": 0}
-    over_limit = 0  # turns not generated because their prompt reached generate.max_prompt_tokens
+    limit = cfg.max_prompt_tokens or ctx.cfg.tokenize.max_length
+    engine = make_engine(target.model, tok, cfg, prompt_limit=limit, log=ctx.log)
     bar = tqdm(total=len(convs), initial=len(done_ids), desc="generate", unit="conv", dynamic_ncols=True)
     with JsonlAppender(out_path) as w:
-        for b in range(0, len(todo), cfg.batch_size):
-            batch = todo[b: b + cfg.batch_size]
-            # Per conversation: the user-only skeleton (system + user turns); assistant turns get regenerated.
-            skel = [[m for m in c.messages if m.role != "assistant"] for c in batch]
-            regenerated: list[list[Message]] = [[] for _ in batch]
-            n_turns = [sum(m.role == "user" for m in s) for s in skel]
-            for turn in range(max(n_turns)):
-                idx, prompts = [], []
-                for i, s in enumerate(skel):
-                    if turn >= n_turns[i]:
-                        continue
-                    users_seen = 0
-                    msgs: list[Message] = []
-                    for m in s:
-                        if m.role == "user":
-                            if users_seen > turn:
-                                break
-                            users_seen += 1
-                        msgs.append(m)
-                    # interleave the replies generated so far after their user turns
-                    history, r = [], 0
-                    for m in msgs:
-                        history.append(m)
-                        if m.role == "user" and r < turn:
-                            history.append(regenerated[i][r])
-                            r += 1
-                    text = render_prompt(tok, [m.to_dict() for m in history], chat_template_kwargs=kwargs)
-                    if cfg.max_prompt_tokens and len(tok(text, add_special_tokens=False).input_ids) \
-                            >= cfg.max_prompt_tokens:
-                        n_turns[i] = turn  # this turn and later ones would start beyond the kept tokens
-                        over_limit += 1
-                        continue
-                    idx.append(i)
-                    prompts.append(text)
-                if not prompts:
-                    continue
-                outs = generate_batch(target.model, tok, prompts, cfg, cfg.seed + b + turn)
-                for i, (text, finish) in zip(idx, outs):
-                    regenerated[i].append(Message("assistant", text))
-                    finish_counts[finish] += 1
-            for c, s, reps in zip(batch, skel, regenerated):
-                msgs, r = [], 0
-                for m in s:
-                    if m.role == "user" and r == len(reps) and r > 0:
-                        break  # turns past max_prompt_tokens are dropped (no reply was generated)
-                    msgs.append(m)
-                    if m.role == "user":
-                        if r == len(reps):
-                            break  # first turn already over max_prompt_tokens: kept as a prompt, tokenize skips it
-                        msgs.append(reps[r])
-                        r += 1
-                w.append(Conversation(id=c.id, messages=msgs, source=c.source).to_json())
-            w.flush()
-            bar.update(len(batch))
-    bar.close()
-    total = len(done_ids) + len(todo)
-    report = {"samples": total, "finish_reasons_this_run": finish_counts, "resumed_from": len(done_ids),
-              "turns_over_max_prompt_tokens_this_run": over_limit}
+
+        def on_conversation(c: Conversation) -> None:
+            w.append(c.to_json())    # fsynced: finished work survives a kill
+            bar.update(1)
+
+        sched = TurnScheduler(tok, todo, max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=limit,
+                              chat_template_kwargs=kwargs, on_conversation=on_conversation)
+        try:
+            stats = engine.run(sched.feed, sched.on_result)
+        finally:
+            bar.close()
+    total = len(done_ids) + sched.conversations
+    report = {"samples": total, "finish_reasons_this_run": sched.finish, "resumed_from": len(done_ids),
+              "turns_over_max_prompt_tokens_this_run": sched.over_limit, "max_prompt_tokens": limit,
+              "engine": {"kind": type(engine).__name__, "slots": stats.slots, "cache_len": stats.cache_len,
+                         "attention": stats.attention, "cuda_graph": stats.cuda_graph, "notes": stats.notes},
+              "new_tokens_this_run": stats.new_tokens, "prompt_tokens_this_run": stats.prefill_tokens,
+              "seconds_this_run": round(stats.seconds, 2),
+              "new_tokens_per_s": round(stats.new_tokens_per_s, 1)}
     write_json_atomic(out_dir / "report.json", report)
-    return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"]}
+    ctx.log(f"[eyas] generate: {stats.new_tokens} new tokens in {stats.seconds:.1f} s "
+            f"({stats.new_tokens_per_s:,.0f} new tokens/s, {stats.requests} turns, {type(engine).__name__}, "
+            f"{stats.slots} slots, attention {stats.attention}, CUDA graph {stats.cuda_graph})")
+    return {"samples": total, "regenerated": True, "finish_length": sched.finish["length"],
+            "new_tokens_per_s": round(stats.new_tokens_per_s, 1)}
 
 
 def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list[Conversation], resumed: int) -> dict:
