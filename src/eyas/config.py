@@ -170,7 +170,8 @@ class TrainConfig(Section):
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
     log_every: int = Field(10, ge=1)
     device: str = "auto"
-    autocast: Literal["none", "bfloat16"] = Field("none", description="bf16 autocast (GPU)")
+    autocast: Literal["auto", "none", "bfloat16"] = Field(
+        "auto", description="bf16 autocast over fp32 master weights; auto: on CUDA, off on the CPU")
     draft: DraftConfig = Field(default_factory=DraftConfig)
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: states from the extract stage's store; online: the target runs in the "
@@ -178,13 +179,21 @@ class TrainConfig(Section):
     distributed: Literal["ddp", "fsdp"] = Field("ddp", description="under torchrun: DDP or FSDP2 (fully_shard)")
     attention: Literal["sdpa", "flex"] = Field(
         "sdpa", description="TTT attention kernel: sdpa (dense mask, short sequences) or flex (block-sparse, long)")
-    compile: bool = Field(False, description="torch.compile the per-step layer parts and the loss chunks (GPU)")
+    compile: bool | None = Field(
+        None, description="torch.compile the per-step layer parts and the loss chunks; null: on CUDA, off on the CPU")
+    loader_workers: int | None = Field(
+        None, ge=0, description="processes that read and collate offline batches ahead of the GPU (pinned memory); "
+        "null: min(8, cores/2) on CUDA, 0 on the CPU")
     gradient_checkpointing: bool = Field(False, description="recompute each TTT step in backward (long sequences)")
     batch_tokens: int | None = Field(
         None, ge=8, description="micro-batches by token budget (length buckets, at most this many padded tokens) "
         "instead of batch_size sequences")
     eval_samples: int = Field(0, ge=0, description="samples held out of training and evaluated periodically")
     eval_every: int = Field(100, ge=1, description="optimizer steps between held-out evaluations")
+    stop_after_no_gain: int = Field(
+        0, ge=0, description="stop when the held-out step-0 accuracy has not risen by more than stop_min_gain for "
+        "this many evaluations in a row (needs eval_samples); 0: train every planned step")
+    stop_min_gain: float = Field(0.002, ge=0.0, description="the rise in held-out step-0 accuracy that counts")
     tensorboard: bool = Field(True, description="TensorBoard logs in RUN/train/tensorboard")
     wandb_project: str | None = Field(None, description="log to this wandb project (when wandb is installed)")
     init_from: str | None = Field(

@@ -98,6 +98,7 @@ class TransformersBackend:
         self.input_device = self.model.get_input_embeddings().weight.device
         self.engine = engine or {"name": "transformers", "version": transformers.__version__}
         self._aux: torch.Tensor | None = None          # [N, L, H] packed buffer of the batch being computed
+        self._full: dict[int, torch.Tensor] | None = None  # capture_padded: aux layer j -> its output [B, T, H]
         self._idx: dict[torch.device, torch.Tensor] = {}  # flat indices of real tokens, per device
         layers = _decoder_layers(model)
         self._hooks = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(self.layer_ids)]
@@ -109,9 +110,11 @@ class TransformersBackend:
 
     def _hook(self, j: int):
         def fn(_module, _inputs, output):
+            h = output[0] if isinstance(output, tuple) else output  # [B, T, H]
+            if self._full is not None:
+                self._full[j] = h
             if self._aux is None:  # the model runs outside capture(): not ours to store
                 return
-            h = output[0] if isinstance(output, tuple) else output  # [B, T, H]
             self._aux[:, j].copy_(h.reshape(-1, self.hidden_size).index_select(0, self._index_on(h.device)))
         return fn
 
@@ -155,6 +158,33 @@ class TransformersBackend:
                 events.append(ev)
                 tensors[k] = host
         return _InFlight(batch, offsets, ids[mask.bool()].to(torch.int32), tensors, events)
+
+    @torch.no_grad()
+    def capture_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """States of a padded batch, left on the device (online training: nothing goes through the host).
+
+        ``input_ids``, ``attention_mask`` int [B, T] (right-padded). Returns ``aux`` [B, T, L, H] and ``last``
+        [B, T, H] in the store dtype, exactly what :meth:`capture` would store for the real rows (an fp8 store's
+        aux are quantised and de-quantised, as a reader of the store gets them back); padded rows are zero."""
+        from ..store.fp8 import dequantize_fp8
+
+        dev = self.input_device
+        self._full = {}
+        try:
+            mask = attention_mask.to(dev)
+            out = self.model(input_ids=input_ids.to(dev), attention_mask=mask, use_cache=False)
+            aux = torch.stack([self._full[j].to(dev) for j in range(len(self.layer_ids))], dim=2)  # [B,T,L,H]
+        finally:
+            self._full = None
+        keep = mask.bool().unsqueeze(-1)
+        aux = aux.to(self.store_dtype)
+        if self.fp8:
+            B, T, L, H = aux.shape
+            q, scale = quantize_fp8(aux.reshape(B * T, L, H))
+            aux = dequantize_fp8(q, scale, self.store_dtype).view(B, T, L, H)
+        last = out.last_hidden_state.to(self.store_dtype)
+        return torch.where(keep.unsqueeze(-1), aux, 0), torch.where(keep, last, 0)
 
     @staticmethod
     def _finish(f: _InFlight) -> Iterator[CapturedSample]:

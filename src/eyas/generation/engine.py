@@ -243,10 +243,9 @@ class SlotEngine:
         self.B = self._fit_slots(int(slots), memory_fraction)
         self.stats.slots, self.stats.cache_len = self.B, self.L
         dev, B, L, n = self.device, self.B, self.L, len(self.layers)
-        # CPU: empty (pages are touched only where a slot writes); CUDA: zeros (never NaN in a masked read)
-        alloc = torch.zeros if dev.type == "cuda" else torch.empty
-        self.k_cache = alloc(n, B, self.nkv, L, self.hd, dtype=self.dtype, device=dev)
-        self.v_cache = alloc(n, B, self.nkv, L, self.hd, dtype=self.dtype, device=dev)
+        # zeros, never uninitialised memory: a masked key still multiplies its value by 0 in SDPA, and 0 * NaN = NaN
+        self.k_cache = torch.zeros(n, B, self.nkv, L, self.hd, dtype=self.dtype, device=dev)
+        self.v_cache = torch.zeros(n, B, self.nkv, L, self.hd, dtype=self.dtype, device=dev)
         pos_all = torch.arange(L, device=dev).view(1, L)
         cos, sin = inner.rotary_emb(self.k_cache[0, :1, 0, :1], pos_all)              # [1, L, hd] model dtype
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()

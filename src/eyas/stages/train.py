@@ -18,12 +18,12 @@ import torch
 from ..errors import EyasError
 from ..io import read_json, write_json_atomic
 from ..store import HiddenStateStore
-from ..store.shards import DTYPES as STORE_DTYPES
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
 from ..train.checkpoint import save_checkpoint  # noqa: F401  (re-exported for tools)
 from ..train.data import StoreDataset, TokenDataset, split_held_out
-from ..train.loop import StateSource, stored_states, summarise_metrics, train
+from ..train.loop import stored_states, summarise_metrics, train
+from ..train.online import OnlineStates
 from . import RunContext, stage_fingerprint
 from .extract import expected_header, store_path
 from .tokenize import load_samples
@@ -44,42 +44,6 @@ class _Subset:
 
     def __getitem__(self, i: int) -> dict:
         return self.ds[self.idx[i]]
-
-
-def online_states(ctx: RunContext, layer_ids: list[int], samples: list) -> StateSource:
-    """The target, loaded in this job through the extract stage's own capture backend (``extract.backend``,
-    compute and storage dtypes as extract would use), captures each batch's aux and post-norm last states;
-    nothing is stored. So offline and online train on the same numbers."""
-    from ..capture import make_backend
-    from ..store.fp8 import dequantize_fp8
-
-    backend = make_backend(ctx.cfg.extract.backend, ctx.cfg.target, ctx.cfg.extract, layer_ids, None)
-    by_id = {s.id: s for s in samples}
-    dt = STORE_DTYPES[ctx.cfg.extract.dtype]
-
-    def states(batch: dict, device: torch.device) -> dict:
-        got = {c.sample_id: c for c in backend.capture([by_id[i] for i in batch["ids"]])}
-        B, T = batch["input_ids"].shape
-        aux = last = None
-        for r, sid in enumerate(batch["ids"]):
-            c = got[sid]
-            a = dequantize_fp8(c.aux, c.aux_scale, dt) if c.aux_scale is not None else c.aux   # [T, L, Ht]
-            n = int(batch["attention_mask"][r].sum())           # the sample, cut to train.max_length
-            if aux is None:
-                aux = torch.zeros(B, T, a.shape[1] * a.shape[2], dtype=a.dtype)
-                last = torch.zeros(B, T, c.last.shape[-1], dtype=c.last.dtype)
-            aux[r, :n] = a[:n].reshape(n, -1)
-            last[r, :n] = c.last[:n]
-        return {**batch, "aux": aux.to(device), "last": last.to(device)}
-
-    return states
-
-
-def _as_float(source: StateSource, dtype: torch.dtype) -> StateSource:
-    def states(batch: dict, device: torch.device) -> dict:
-        b = source(batch, device)
-        return {**b, "aux": b["aux"].to(dtype), "last": b["last"].to(dtype)}
-    return states
 
 
 def load_drafter(folder: Path, embed: torch.Tensor):
@@ -122,8 +86,7 @@ def run(ctx: RunContext) -> dict:
     else:
         header = expected_header(ctx)
         dataset = TokenDataset(samples, cfg.max_length)
-        states = online_states(ctx, header.layer_ids, samples)
-    states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
+        states = OnlineStates(ctx.cfg.target, ctx.cfg.extract, header.layer_ids, samples)
     layer_ids = header.layer_ids
     if cfg.init_from:
         model, their_layers = load_drafter(Path(cfg.init_from).expanduser(), embed)
@@ -174,7 +137,8 @@ def _write_final(out: Path, result, dcfg, layer_ids, header, cfg, n_params: int)
     })
     summary = summarise_metrics(out / "metrics.jsonl", cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
-                   tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1))
+                   tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1),
+                   stopped_early=result.stopped_early)
     return summary
 
 
@@ -199,4 +163,4 @@ def load_trained_draft(ctx: RunContext, device: torch.device):
     return model.to(device).eval(), meta
 
 
-__all__ = ["run", "load_trained_draft", "load_drafter", "online_states", "json"]
+__all__ = ["run", "load_trained_draft", "load_drafter", "json"]

@@ -219,6 +219,10 @@ class HiddenStateStore:
         self._index: dict[str, tuple[str, ManifestEntry]] = {}
         self._handles: dict[str, object] = {}
 
+    def __getstate__(self) -> dict:
+        """Picklable without its open file handles (a DataLoader worker opens its own)."""
+        return {**self.__dict__, "_handles": {}}
+
     # ---------------------------------------------------------------- opening
     @classmethod
     def create_or_open(cls, root: Path, header: StoreHeader) -> "HiddenStateStore":

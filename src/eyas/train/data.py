@@ -65,11 +65,13 @@ class TokenDataset:
                 "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64)}
 
 
-def collate(items: list[dict]) -> dict:
-    """Right-pad a list of samples to the longest: ``input_ids`` [B, T], ``loss_mask`` [B, T] (0 on padding),
-    ``attention_mask`` [B, T] (1 on real tokens), ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] when the items have
-    them (offline), ``ids`` list[str]."""
+def collate(items: list[dict], pad_to: int = 1) -> dict:
+    """Right-pad a list of samples to the longest, rounded up to a multiple of ``pad_to`` (fewer distinct shapes
+    for compiled kernels): ``input_ids`` [B, T], ``loss_mask`` [B, T] (0 on padding), ``attention_mask`` [B, T] (1
+    on real tokens), ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] when the items have them (offline), ``ids``
+    list[str]."""
     T = max(len(x["input_ids"]) for x in items)
+    T = -(-T // pad_to) * pad_to
     B = len(items)
     out = {
         "input_ids": torch.zeros(B, T, dtype=torch.int64),
@@ -86,6 +88,41 @@ def collate(items: list[dict]) -> dict:
         for k in ["input_ids", "loss_mask"] + states:
             out[k][b, :n] = x[k]
     return out
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item ``m`` is this process's collated micro-batch number ``m`` of the run (all epochs in a row), a function
+    of (dataset, plan, rank, m) only, so torch's ``DataLoader`` can build batches in worker processes, in any
+    order, and a resumed run sees the same ones. A process with no sample in a global micro-batch gets a
+    stand-in, sample 0 marked ``weightless`` (the loop zeroes its masks and ids after making its states)."""
+
+    def __init__(self, dataset, plan, rank: int, pad_to: int = 1):
+        self.dataset, self.plan, self.rank, self.pad_to = dataset, plan, rank, pad_to
+
+    def __len__(self) -> int:
+        return self.plan.total_micro
+
+    def __getitem__(self, micro: int) -> dict:
+        idx = self.plan.micro(micro, self.rank)
+        batch = collate([self.dataset[i] for i in (idx or [0])], self.pad_to)
+        batch["weightless"] = not idx      # the loop zeroes its masks once its states are made
+        return batch
+
+
+def micro_batch_loader(dataset, plan, rank: int, start: int, workers: int, pin_memory: bool, pad_to: int = 1):
+    """Micro-batches ``start, start+1, ...`` in order, built ahead by ``workers`` processes (0: in this process)
+    into pinned memory when ``pin_memory`` (torch's ``DataLoader``; each worker opens its own store handles)."""
+    ds = MicroBatches(dataset, plan, rank, pad_to)
+    sampler = range(start, len(ds))
+    if workers <= 0:
+        return (ds[m] for m in sampler)
+    return iter(torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=workers,
+                                            pin_memory=pin_memory, prefetch_factor=4, persistent_workers=False,
+                                            collate_fn=_identity))
+
+
+def _identity(x):
+    return x
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,16 +27,17 @@ from ..errors import EyasError
 from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .data import collate, epoch_plan
+from .data import collate, epoch_plan, micro_batch_loader
 from .distributed import Dist
 from .loss import TargetLabels, step_counts, target_labels, ttt_loss_fused
 
-# batch dict (from collate) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] on ``device``
+# batch dict (from collate, on the device) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] filled
+# (offline: already there; online: the target run on the batch)
 StateSource = Callable[[dict, torch.device], dict]
 
 
 def stored_states(batch: dict, device: torch.device) -> dict:
-    """Offline: the states came from the store with the batch; move them to the device."""
+    """Offline: the states came from the store with the batch; make sure they are on the device."""
     return {**batch, "aux": batch["aux"].to(device), "last": batch["last"].to(device)}
 
 
@@ -48,6 +50,129 @@ class TrainResult:
     final_metrics: dict
     seconds: float
     final_state: dict
+    stopped_early: bool = False
+
+
+@dataclass
+class Speed:
+    """How the loop runs on this device (``train.compile``/``autocast``/``loader_workers`` resolved): compile the
+    layer parts and loss chunks, bf16 autocast, DataLoader workers, and the padded-length multiple."""
+
+    compile: bool
+    autocast: bool
+    workers: int
+    pad_to: int
+
+    @classmethod
+    def resolve(cls, cfg: TrainConfig, device: torch.device, offline: bool) -> "Speed":
+        cuda = device.type == "cuda"
+        workers = cfg.loader_workers if cfg.loader_workers is not None else (
+            min(8, max(1, (os.cpu_count() or 2) // 2)) if cuda and offline else 0)
+        return cls(compile=cfg.compile if cfg.compile is not None else cuda,
+                   autocast=cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and cuda),
+                   workers=workers, pad_to=64 if cuda else 1)
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step as logged to ``metrics.jsonl`` (flattened by :meth:`to_json`: ``loss_k``, ``acc_k``,
+    ``count_k`` per TTT step k). ``loss``: the weighted TTT loss averaged over micro-batches; ``acc_k``: share of
+    counted positions where the draft's argmax equals the target's; ``tokens``: real tokens seen so far;
+    ``tokens_per_s``: since the run (or resume) started; ``recent_tokens_per_s``: since the previous step."""
+
+    step: int
+    loss: float
+    loss_k: list[float]
+    acc_k: list[float]
+    count_k: list[int]
+    lr: float
+    grad_norm: float
+    tokens: int
+    tokens_per_s: float
+    recent_tokens_per_s: float
+    gpu_max_memory_gb: float | None = None
+    eval: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = {"step": self.step, "loss": self.loss}
+        for k, (lo, ac, co) in enumerate(zip(self.loss_k, self.acc_k, self.count_k)):
+            d.update({f"loss_{k}": lo, f"acc_{k}": ac, f"count_{k}": co})
+        d.update(lr=self.lr, grad_norm=self.grad_norm, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
+                 recent_tokens_per_s=self.recent_tokens_per_s)
+        if self.gpu_max_memory_gb is not None:
+            d["gpu_max_memory_gb"] = self.gpu_max_memory_gb
+        d.update(self.eval)
+        return d
+
+
+class StepSums:
+    """One optimizer step's sums, kept on the device (no host sync while the micro-batches run): loss, micro-batch
+    count, real tokens, then per TTT step the loss, the argmax hits and the counted positions, then the gradient
+    norm. :meth:`to_host` is the step's one device-to-host transfer."""
+
+    def __init__(self, K: int, device: torch.device):
+        self.K = K
+        self.t = torch.zeros(3 + 3 * K + 1, dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, tokens: torch.Tensor, m: dict, counts: torch.Tensor) -> None:
+        K = self.K
+        one = torch.ones((), dtype=torch.float64, device=self.t.device)
+        self.t[:-1] += torch.stack([loss.detach().double(), one, tokens.double()]
+                                   + [m[f"loss_{k}"].double() for k in range(K)]
+                                   + [m[f"hits_{k}"].double() for k in range(K)] + list(counts.double()))
+
+    def to_host(self, dist: Dist, grad_norm: torch.Tensor) -> dict:
+        """Sum the loss terms over processes (counts are global already), then one transfer. Returns
+        ``{loss, micro, tokens, loss_k, hits_k, count_k, grad_norm}`` (per-process means where it applies)."""
+        K = self.K
+        self.t[-1] = grad_norm.double()
+        self.t[:3 + 2 * K] = dist.all_reduce(self.t[:3 + 2 * K].clone())
+        v = self.t.tolist()
+        n_micro = max(v[1] / dist.world, 1)
+        return {"loss": v[0] / n_micro, "tokens": int(v[2]),
+                "loss_k": [x / n_micro for x in v[3: 3 + K]], "hits_k": v[3 + K: 3 + 2 * K],
+                "count_k": [int(x) for x in v[3 + 2 * K: 3 + 3 * K]], "grad_norm": v[-1]}
+
+
+class DeviceBatches:
+    """The loop's batches, on the device and one ahead: the next CPU batch (pinned by the DataLoader) is copied on
+    a side stream while the current step computes; then ``states`` fills its hidden states (offline: they came
+    with it; online: the target runs on it) and they are cast to the training dtype."""
+
+    def __init__(self, cpu_batches, states: StateSource, device: torch.device, dtype: torch.dtype):
+        self.it, self.states, self.device, self.dtype = iter(cpu_batches), states, device, dtype
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = self._copy()
+
+    def _copy(self):
+        cpu = next(self.it, None)
+        if cpu is None:
+            return None
+        if self.stream is None:
+            return cpu, None
+        with torch.cuda.stream(self.stream):
+            dev = {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in cpu.items()}
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return dev, ev
+
+    def __next__(self) -> dict:
+        if self.ahead is None:
+            raise StopIteration
+        batch, ev = self.ahead
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev)
+            for v in batch.values():
+                if torch.is_tensor(v):
+                    v.record_stream(cur)
+        self.ahead = self._copy()
+        b = self.states(batch, self.device)
+        b = {**b, "aux": b["aux"].to(self.dtype), "last": b["last"].to(self.dtype)}
+        if b.get("weightless"):  # no sample for this process in the epoch's last global micro-batch
+            b.update(loss_mask=torch.zeros_like(b["loss_mask"]), ids=[],
+                     attention_mask=torch.zeros_like(b["attention_mask"]))
+        return b
 
 
 class DraftWithLoss(nn.Module):
@@ -55,10 +180,10 @@ class DraftWithLoss(nn.Module):
     DDP's and FSDP2's hooks see every parameter the loss uses (``norm``, ``lm_head``) inside one call. The loss
     itself lives in :mod:`eyas.train.loss`; the draft keeps the served checkpoint's attribute names."""
 
-    def __init__(self, draft: Eagle3DraftModel, cfg: TrainConfig):
+    def __init__(self, draft: Eagle3DraftModel, cfg: TrainConfig, compiled: bool):
         super().__init__()
         self.draft = draft
-        self.ttt_steps, self.decay, self.compiled = cfg.ttt_steps, cfg.ttt_decay, cfg.compile
+        self.ttt_steps, self.decay, self.compiled = cfg.ttt_steps, cfg.ttt_decay, compiled
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, labels: TargetLabels,
                 denominators: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -106,9 +231,10 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     Args:
         dataset: ``len``, ``num_tokens(i)`` and ``ds[i]`` -> dict (``input_ids``, ``loss_mask``, ``id`` and, offline,
             ``aux``/``last``): :class:`~eyas.train.data.StoreDataset` or :class:`~eyas.train.data.TokenDataset`.
+            Picklable when ``train.loader_workers`` > 0 (the workers build batches from it).
         lm_head: [V, Ht] the target's lm_head weight (soft labels come from it and the post-norm last state).
-        states: fills ``aux``/``last`` of a batch: :func:`stored_states` (offline) or the target run on the batch
-            (online, :func:`eyas.stages.train.online_states`).
+        states: fills ``aux``/``last`` of a device batch: :func:`stored_states` (offline) or the target run on the
+            batch (online, :class:`eyas.train.online.OnlineStates`).
         held_out: a dataset like ``dataset`` evaluated every ``cfg.eval_every`` steps (no gradient).
         should_stop: called after each optimizer step with the step number; True checkpoints and returns (tests,
             schedulers that pre-empt).
@@ -118,16 +244,19 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     """
     dist = Dist.from_env(device, cfg.distributed)
     device = dist.device
+    speed = Speed.resolve(cfg, device, offline=states is stored_states)
     model.to(device)
     model.set_attention(cfg.attention)
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    if cfg.compile:
+    if speed.compile:
         model.compile_ttt()
-    lm_head = lm_head.to(device)
+    float_dtype = torch.bfloat16 if speed.autocast else torch.float32
+    lm_head = lm_head.to(device, float_dtype if speed.autocast else lm_head.dtype)
     trainable_keys = set(model.trainable_state_dict())
-    step_module = dist.wrap(DraftWithLoss(model, cfg))
+    step_module = dist.wrap(DraftWithLoss(model, cfg, speed.compile))
     params = [p for p in step_module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                            fused=device.type == "cuda" and not (dist.world > 1 and cfg.distributed == "fsdp"))
     plan = Plan(dataset, cfg, dist.world)
     total_steps = math.ceil(plan.total_micro / cfg.grad_accum)
     ckpt_dir = out_dir / "checkpoints"
@@ -135,77 +264,73 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     step, micro = _resume(ckpt_dir, step_module, opt, dist, fingerprint, out_dir, log, total_steps)
     draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()   # after resume: the run's
     t2d = model.t2d
+    batches = DeviceBatches(micro_batch_loader(dataset, plan, dist.rank, micro, speed.workers,
+                                               device.type == "cuda", speed.pad_to), states, device, float_dtype)
     writers = _Writers(out_dir, cfg, dist) if dist.is_main else None
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                disable=not dist.is_main)
-    t0, tokens_seen, last_metrics = time.time(), 0, {}
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=speed.autocast)
     K = cfg.ttt_steps
+    t0, t_prev, tokens_seen, metrics = time.time(), time.time(), 0, None
+    best_acc, evals_without_gain, stopped_early = -1.0, 0, False
     step_module.train()
     while step < total_steps:
-        # ---- one optimizer step: grad_accum micro-batches
+        # ---- one optimizer step: grad_accum micro-batches, sums kept on the device
         lr = lr_at(step, total_steps, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        sums = torch.zeros(3 + 3 * K, dtype=torch.float64, device=device)  # loss, n, tokens, loss_k, hits_k, count_k
+        sums = StepSums(K, device)
         batch_ids: list[str] = []
         for _ in range(cfg.grad_accum):
             if micro >= plan.total_micro:
                 break
-            idx = plan.micro(micro, dist.rank)
-            batch = states(collate([dataset[i] for i in (idx or [0])]), device)
-            if not idx:  # no sample for this process in the epoch's last global micro-batch: a weightless stand-in
-                batch.update(loss_mask=torch.zeros_like(batch["loss_mask"]), ids=[],
-                             attention_mask=torch.zeros_like(batch["attention_mask"]))
+            batch = next(batches)
             batch_ids += batch["ids"]
-            ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
-            labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
+            labels = target_labels(batch["last"], lm_head, draft_ids, t2d, batch["loss_mask"])
             counts = dist.all_reduce(step_counts(labels, K))                       # [K], global batch
             with autocast:
-                loss, m = step_module(ids, batch["aux"], labels, counts)
+                loss, m = step_module(batch["input_ids"], batch["aux"], labels, counts)
             (loss * dist.world / cfg.grad_accum).backward()  # DDP/FSDP average; the global loss is the sum
+            sums.add(loss, batch["attention_mask"].sum(), m, counts)
             micro += 1
-            one = torch.ones((), dtype=torch.float64, device=device)
-            sums += torch.stack([loss.detach().double(), one, batch["attention_mask"].sum().double().to(device)]
-                                + [m[f"loss_{k}"].double() for k in range(K)]
-                                + [m[f"hits_{k}"].double() for k in range(K)] + list(counts.double()))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        # one host sync per step: the global sums (loss terms summed over processes, counts already global)
-        sums[:3 + 2 * K] = dist.all_reduce(sums[:3 + 2 * K].clone())
-        vals = sums.tolist()
-        n_micro = vals[1] / dist.world
-        loss_val = vals[0] / max(n_micro, 1)
-        tokens_seen += int(vals[2])
-        if not (math.isfinite(loss_val) and math.isfinite(float(grad_norm))):
-            raise EyasError(f"train: non-finite loss ({loss_val}) or gradient norm ({float(grad_norm)}) at step "
+        v = sums.to_host(dist, grad_norm)                                           # the step's one host sync
+        if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
+            raise EyasError(f"train: non-finite loss ({v['loss']}) or gradient norm ({v['grad_norm']}) at step "
                             f"{step + 1}; samples in this step: {', '.join(batch_ids)}")
         opt.step()
         step += 1
-        last_metrics = {"step": step, "loss": loss_val}
-        for k in range(K):
-            cnt = vals[3 + 2 * K + k]
-            last_metrics[f"loss_{k}"] = vals[3 + k] / max(n_micro, 1)
-            last_metrics[f"acc_{k}"] = vals[3 + K + k] / max(cnt, 1)
-            last_metrics[f"count_{k}"] = int(cnt)
-        elapsed = max(time.time() - t0, 1e-9)
-        last_metrics.update(lr=lr, grad_norm=float(grad_norm), tokens=tokens_seen, tokens_per_s=tokens_seen / elapsed)
-        if device.type == "cuda":
-            last_metrics["gpu_max_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        now = time.time()
+        tokens_seen += v["tokens"]
+        metrics = StepMetrics(
+            step=step, loss=v["loss"], loss_k=v["loss_k"],
+            acc_k=[h / max(c, 1) for h, c in zip(v["hits_k"], v["count_k"])], count_k=v["count_k"], lr=lr,
+            grad_norm=v["grad_norm"], tokens=tokens_seen, tokens_per_s=tokens_seen / max(now - t0, 1e-9),
+            recent_tokens_per_s=v["tokens"] / max(now - t_prev, 1e-9),
+            gpu_max_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None)
+        t_prev = now
         if held_out is not None and len(held_out) and (step % cfg.eval_every == 0 or step == total_steps):
-            last_metrics.update(evaluate_held_out(step_module, held_out, states, lm_head, draft_ids, t2d, cfg, dist,
-                                                  autocast))
+            metrics.eval = evaluate_held_out(step_module, held_out, states, lm_head, draft_ids, t2d, cfg, dist,
+                                             autocast, float_dtype, speed.pad_to)
+            gain = metrics.eval["eval_acc_0"] - best_acc
+            best_acc, evals_without_gain = max(best_acc, metrics.eval["eval_acc_0"]), (
+                0 if gain > cfg.stop_min_gain else evals_without_gain + 1)
+            stopped_early = bool(cfg.stop_after_no_gain) and evals_without_gain >= cfg.stop_after_no_gain
         if writers:
-            writers.log(last_metrics)
+            writers.log(metrics.to_json())
         bar.update(1)
         if step % cfg.log_every == 0 or step == total_steps:
-            accs = " ".join(f"{last_metrics[f'acc_{k}']:.2f}" for k in range(K))
-            bar.set_postfix_str(f"loss {loss_val:.3f} acc {accs} {last_metrics['tokens_per_s']:.0f} tok/s")
-        stop = should_stop is not None and should_stop(step)
+            accs = " ".join(f"{a:.2f}" for a in metrics.acc_k)
+            bar.set_postfix_str(f"loss {metrics.loss:.3f} acc {accs} {metrics.recent_tokens_per_s:.0f} tok/s")
+        stop = stopped_early or (should_stop is not None and should_stop(step))
         if step % cfg.checkpoint_every == 0 or step == total_steps or stop:
-            _checkpoint(ckpt_dir, step, micro, total_steps, fingerprint, last_metrics, step_module, opt, dist,
+            _checkpoint(ckpt_dir, step, micro, total_steps, fingerprint, metrics.to_json(), step_module, opt, dist,
                         trainable_keys, cfg.keep_last, writers)
+        if stopped_early:
+            log(f"[eyas] train: held-out step-0 accuracy has not risen by more than {cfg.stop_min_gain} in "
+                f"{evals_without_gain} evaluations (best {best_acc:.4f}): stopping at step {step} of {total_steps}")
         if stop:
             break
     bar.close()
@@ -213,13 +338,14 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
         writers.close()
     full = dist.model_state(step_module)
     final_state = {k[len("draft."):]: v for k, v in full.items() if k[len("draft."):] in trainable_keys}
-    return TrainResult(steps=step, tokens=tokens_seen, final_metrics=last_metrics, seconds=time.time() - t0,
-                       final_state=final_state if dist.is_main else {})
+    return TrainResult(steps=step, tokens=tokens_seen, final_metrics=metrics.to_json() if metrics else {},
+                       seconds=time.time() - t0, final_state=final_state if dist.is_main else {},
+                       stopped_early=stopped_early)
 
 
 @torch.no_grad()
 def evaluate_held_out(step_module, held_out, states: StateSource, lm_head, draft_ids, t2d, cfg: TrainConfig,
-                      dist: Dist, autocast) -> dict:
+                      dist: Dist, autocast, float_dtype: torch.dtype = torch.float32, pad_to: int = 1) -> dict:
     """Loss and per-step accuracy on the held-out samples (each process takes every world-th batch):
     ``eval_loss`` = sum_k decay^k (held-out CE of step k averaged over its counted positions), ``eval_acc_k``.
     Every process runs the same number of forward passes (DDP/FSDP collectives); a process with no batch left in
@@ -231,13 +357,12 @@ def evaluate_held_out(step_module, held_out, states: StateSource, lm_head, draft
     for r in range(0, len(starts), dist.world):
         mine = r + dist.rank < len(starts)
         b = starts[r + dist.rank] if mine else 0
-        batch = states(collate([held_out[i] for i in range(b, min(b + cfg.batch_size, len(held_out)))]),
-                       dist.device)
-        mask = batch["loss_mask"].to(dist.device)
-        labels = target_labels(batch["last"], lm_head, draft_ids, t2d, mask)
+        cpu = collate([held_out[i] for i in range(b, min(b + cfg.batch_size, len(held_out)))], pad_to)
+        batch = states({k: (v.to(dist.device) if torch.is_tensor(v) else v) for k, v in cpu.items()}, dist.device)
+        labels = target_labels(batch["last"].to(float_dtype), lm_head, draft_ids, t2d, batch["loss_mask"])
         ones = torch.ones(K, device=dist.device)        # denominators 1: the loss terms are CE sums
         with autocast:
-            _, m = step_module(batch["input_ids"].to(dist.device), batch["aux"], labels, ones)
+            _, m = step_module(batch["input_ids"], batch["aux"].to(float_dtype), labels, ones)
         if mine:
             sums += torch.stack([m[f"loss_{k}"] for k in range(K)] + [m[f"hits_{k}"] for k in range(K)]
                                 + [m[f"count_{k}"] for k in range(K)]).double()
