@@ -267,6 +267,11 @@ def plan(
     t.add_row("prefill GPU-hours", f"dataset {p.dataset_prefill_gpu_hours:.2f}; per 100K samples "
               f"{p.prefill_gpu_hours_per_100k_samples:.2f} ({p.prefill_tokens_per_s:,.0f} tokens/s per GPU: "
               f"{p.prefill_assumption})")
+    m = p.mode
+    t.add_row("training mode", f"{m.recommended} (train.mode: {m.recommended}): {m.reason}; train.mode is "
+              f"'{load_config(config, overrides).train.mode}' in this config")
+    t.add_row("GPU-hours by mode", f"online {m.online_gpu_hours:.3g}, offline {m.offline_gpu_hours:.3g} (draft "
+              f"training ~{m.train_tokens_per_s:,.0f} tokens/s per GPU)")
     for n in p.notes:
         t.add_row("note", n)
     Console().print(t)

@@ -235,6 +235,8 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     max_prompts: int | None = Field(None, ge=1)
     check_lossless: bool = Field(True, description="compare with the target's own greedy output")
+    baseline: bool = Field(True, description="also measure prompt-lookup (n-gram) drafting, which needs no "
+                           "training, on the same prompts (greedy; vLLM's 'ngram' method with the vllm engine)")
 
 
 class RunConfig(Section):

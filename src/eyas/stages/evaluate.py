@@ -21,7 +21,8 @@ from ..config import SourceConfig
 from ..data.chat import render_prompt
 from ..data.formats import load_source
 from ..errors import ConfigError
-from ..evaluate.decoder import SpecConfig, estimated_speedup, speculative_generate, target_generate
+from ..evaluate.decoder import (SpecConfig, estimated_speedup, lookup_generate, speculative_generate,
+                                target_generate)
 from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
@@ -79,18 +80,34 @@ def run(ctx: RunContext) -> dict:
     if times:
         result["speedup_estimate"] = round(sum(s["speedup_estimate"] * s["rounds"] for s in times)
                                            / max(sum(s["rounds"] for s in times), 1), 3)
+    base = [s["ngram"] for s in per_set.values() if s.get("ngram")]
+    if base:
+        result["ngram_tokens_per_target_step"] = round(
+            sum(b["tokens_per_target_step"] * b["rounds"] for b in base) / max(sum(b["rounds"] for b in base), 1), 4)
+        result["tokens_per_target_step"] = round(
+            sum(s["tokens_per_target_step"] * s["rounds"] for s in per_set.values())
+            / max(sum(s["rounds"] for s in per_set.values()), 1), 4)
     write_json_atomic(ctx.stage_dir("evaluate") / "results.json", result)
     for name, s in per_set.items():
+        ng = s.get("ngram")
         ctx.log(f"[eyas] evaluate [{cfg.engine}] {name}: acceptance length {s['acceptance_length']:.3f} "
-                f"({s['prompts']} prompts, {s['rounds']} rounds)")
+                f"({s['prompts']} prompts, {s['rounds']} rounds); tokens per target step: drafter "
+                f"{s['tokens_per_target_step']:.3f}" + (f", n-gram lookup (no training) "
+                                                         f"{ng['tokens_per_target_step']:.3f}" if ng else ""))
     return {k: v for k, v in result.items() if k != "sets"} | {
         "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}}
 
 
 def _set_summary(rounds: int, accepted: int, per_pos: list[int], **extra) -> dict:
-    return {"rounds": rounds, "accepted": accepted, "accepted_per_pos": per_pos,
-            "acceptance_length": round((rounds + accepted) / max(rounds, 1), 4),
-            "acceptance_rate_per_position": [round(a / max(rounds, 1), 4) for a in per_pos], **extra}
+    """A set's counts. ``tokens_per_target_step``: new tokens per target forward pass over every verify step
+    (prefills excluded); for the reference decoder that is the acceptance length, with vLLM it also counts the
+    steps that had no draft."""
+    out = {"rounds": rounds, "accepted": accepted, "accepted_per_pos": per_pos,
+           "acceptance_length": round((rounds + accepted) / max(rounds, 1), 4),
+           "acceptance_rate_per_position": [round(a / max(rounds, 1), 4) for a in per_pos]}
+    out["tokens_per_target_step"] = out["acceptance_length"]
+    out.update(extra)
+    return out
 
 
 def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
@@ -110,6 +127,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
         t_draft = t_target = 0.0
         steps: list[float] = []
         per_prompt = []
+        ng_rounds = ng_accepted = 0
+        ng_pos = [0] * spec.depth
         for sid, turns in tqdm(convs, desc=f"evaluate {name}", unit="prompt", dynamic_ncols=True):
             history = []
             for turn, text in enumerate(turns):
@@ -124,6 +143,10 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
                     if greedy:
                         same = base.tokens == st.tokens
                         mismatches += not same
+                if cfg.baseline and greedy:
+                    ng = lookup_generate(target.model, ids, spec.depth, cfg.max_new_tokens, eos)
+                    ng_rounds, ng_accepted = ng_rounds + ng.rounds, ng_accepted + ng.accepted
+                    ng_pos = [a + b for a, b in zip(ng_pos, ng.accepted_per_pos)]
                 history.append({"role": "assistant", "content": tok.decode(st.tokens, skip_special_tokens=True)})
                 rounds += st.rounds
                 accepted += st.accepted
@@ -136,6 +159,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
                          lossless_mismatches=mismatches if cfg.check_lossless and greedy else None,
                          draft_seconds_per_round=round(t_draft / max(rounds, 1), 6),
                          verify_seconds_per_round=round(t_target / max(rounds, 1), 6), per_prompt=per_prompt)
+        if ng_rounds:
+            s["ngram"] = _set_summary(ng_rounds, ng_accepted, ng_pos, method="prompt lookup, n 2..4")
         if steps:
             s["target_step_seconds"] = round(sum(steps) / len(steps), 6)
             s["speedup_estimate"] = round(estimated_speedup(s["acceptance_length"], s["draft_seconds_per_round"],
@@ -157,13 +182,27 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     tdir = materialize_target(ctx.cfg.target)
     eos = GenerationConfig.from_pretrained(tdir).eos_token_id if (tdir / "generation_config.json").exists() else None
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})   # as model_eos_ids
-    res = run_vllm(tdir, folder, {n: [t for _, t in convs] for n, convs in sets.items()},
-                   num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
-                   dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
-                   chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
-    return {n: _set_summary(r["drafts"], r["accepted"], r["accepted_per_pos"], prompts=len(sets[n]),
-                            turns=sum(len(t) for t in r["outputs"]), lossless_mismatches=None,
-                            vllm_seconds=round(r["seconds"], 2)) for n, r in res.items()}
+    common = dict(num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
+                  dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
+                  chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+    texts = {n: [t for _, t in convs] for n, convs in sets.items()}
+    res = run_vllm(tdir, folder, texts, **common)
+    base = run_vllm(tdir, None, texts, method="ngram", **common) if cfg.baseline else {}
+
+    def summary(r: dict, n: str, **extra) -> dict:
+        s = _set_summary(r["drafts"], r["accepted"], r["accepted_per_pos"], prompts=len(sets[n]),
+                         turns=r["requests"], generated=r["generated"], vllm_seconds=round(r["seconds"], 2), **extra)
+        s["tokens_per_target_step"] = round(r["tokens_per_target_forward"], 4)   # every decode step counted
+        return s
+
+    out = {}
+    for n, r in res.items():
+        out[n] = summary(r, n, lossless_mismatches=None)
+        if n in base:
+            out[n]["ngram"] = summary(base[n], n, method="vLLM ngram, prompt_lookup_min 2, max 4")
+            if cfg.temperature == 0:
+                out[n]["same_output_as_ngram"] = base[n]["outputs"] == r["outputs"]
+    return out
 
 
 def model_eos_ids(target, tok) -> set[int]:
