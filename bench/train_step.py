@@ -53,7 +53,7 @@ def flops_per_token(cfg: Eagle3Config, T: int, K: int) -> tuple[float, float]:
 
 
 def build(cfg: Eagle3Config, T: int, device: torch.device, attention: str, seed: int = 0,
-          param_dtype: str = "fp32"):
+          param_dtype: str = "fp32", batch: int = 1):
     g = torch.Generator(device="cpu").manual_seed(seed)
     model = Eagle3DraftModel(cfg)
     if param_dtype == "bf16":   # no fp32 master weights: the bound set by the master-weight traffic
@@ -67,16 +67,22 @@ def build(cfg: Eagle3Config, T: int, device: torch.device, attention: str, seed:
     model.to(device).train()
     model.set_attention(attention)
     data = {
-        "ids": torch.randint(0, cfg.vocab_size, (1, T), generator=g).to(device),
-        "aux": torch.randn(1, T, cfg.num_aux_layers * cfg.target_hidden_size, generator=g).to(device, torch.bfloat16),
-        "last": torch.randn(1, T, cfg.target_hidden_size, generator=g).to(device, torch.bfloat16),
-        "mask": torch.ones(1, T, dtype=torch.int64, device=device),
+        "ids": torch.randint(0, cfg.vocab_size, (batch, T), generator=g).to(device),
+        "aux": torch.randn(batch, T, cfg.num_aux_layers * cfg.target_hidden_size, generator=g).to(device,
+                                                                                                torch.bfloat16),
+        "last": torch.randn(batch, T, cfg.target_hidden_size, generator=g).to(device, torch.bfloat16),
+        "mask": torch.ones(batch, T, dtype=torch.int64, device=device),
         "head": (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02).to(device, torch.bfloat16),
         "draft_ids": draft_ids.to(device),
     }
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     return model, data, params, opt
+
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               target_hidden_size=576, vocab_size=49152, draft_vocab_size=32000, rms_norm_eps=1e-5,
+               max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
 
 
 def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk: int, compiled: bool):
@@ -95,8 +101,9 @@ def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk
 
 
 def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
-            warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None) -> dict:
-    model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype)
+            warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
+            batch: int = 1) -> dict:
+    model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
     if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
         model.compile_ttt()
     step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
@@ -136,10 +143,10 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
     times.sort()
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
-    out = {"seq": T, "ttt_steps": K, "attention": attention, "compile_layer": compile_layer,
+    out = {"seq": T, "batch": batch, "ttt_steps": K, "attention": attention, "compile_layer": compile_layer,
            "param_dtype": param_dtype, "loss_chunk": loss_chunk,
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
-           "tokens_per_s": round(T / med, 1), "tflops_per_s": round(T * (dense + attn) / med / 1e12, 1),
+           "tokens_per_s": round(batch * T / med, 1), "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
            "dense_gflop_per_token": round(dense / 1e9, 2), "attention_gflop_per_token": round(attn / 1e9, 3),
            "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4)}
     if device.type == "cuda":

@@ -110,7 +110,10 @@ class TokenizeConfig(Section):
 class VocabConfig(Section):
     """vocab: the draft vocabulary (most frequent assistant tokens) and its d2t/t2d maps."""
 
-    draft_vocab_size: int = Field(32000, ge=2)
+    draft_vocab_size: int = Field(32000, ge=2, description="draft vocabulary size (the most with coverage set)")
+    coverage: float | None = Field(
+        None, gt=0.0, le=1.0, description="size the draft vocabulary by measured coverage: the fewest most "
+        "frequent ids (a multiple of 64) covering this share of the assistant tokens; null: draft_vocab_size")
 
 
 class ExtractConfig(Section):
@@ -207,6 +210,9 @@ class ExportConfig(Section):
     formats: list[Literal["sglang", "vllm"]] = Field(default_factory=lambda: ["sglang"])
     num_speculative_tokens: int = Field(3, ge=1, description="speculators_config default draft length (vllm)")
     verifier: str | None = Field(None, description="speculators verifier name_or_path; default: the target's folder")
+    max_shard_bytes: int | None = Field(
+        None, ge=1 << 20, description="split the weights into safetensors files of at most this many bytes "
+        "(Hugging Face sharded layout with model.safetensors.index.json); null: one model.safetensors")
 
 
 class BenchmarkSet(Section):

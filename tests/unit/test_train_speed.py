@@ -66,3 +66,16 @@ def test_stop_after_no_gain_ends_the_run(tmp_path):
     assert [r["step"] for r in rows if "eval_acc_0" in r] == [2, 4, 6]
     assert (tmp_path / "checkpoints" / "step-00000006").exists()
     assert any("stopping at step 6 of 48" in x for x in logs)
+
+
+def test_draft_vocabulary_sized_by_coverage():
+    from collections import Counter
+
+    from eyas.stages.vocab import coverage_curve, size_for_coverage
+
+    counts = Counter({t: 1000 // (t + 1) for t in range(500)})     # Zipf-like
+    curve = coverage_curve(counts, [64, 128, 500])
+    assert curve[500] == 1.0 and curve[64] < curve[128] < 1.0
+    n = size_for_coverage(counts, 0.9, cap=10_000)
+    assert n % 64 == 0 and coverage_curve(counts, [n])[n] >= 0.9 and coverage_curve(counts, [n - 64])[n - 64] < 0.9
+    assert size_for_coverage(counts, 0.9, cap=64) == 64

@@ -121,7 +121,7 @@ def sglang_config(cfg: Eagle3Config, layer_ids: list[int], convention: str, targ
 
 
 def write_sglang(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], convention: str,
-                 target_cfg: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
+                 target_cfg: dict, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = None) -> Path:
     """Write the SGLang folder; raises :class:`EyasError` (and writes nothing) when the key check fails."""
     state = {}
     for k, v in model.trainable_state_dict().items():
@@ -131,10 +131,46 @@ def write_sglang(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], c
     if problems:
         raise EyasError("SGLang export check failed:\n  " + "\n  ".join(problems))
     out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / "model.safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    write_weights(out_dir, state, max_shard_bytes)
     write_json_atomic(out_dir / "config.json", sglang_config(model.config, layer_ids, convention, target_cfg))
     return out_dir
+
+
+def write_weights(out_dir: Path, state: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> list[str]:
+    """``model.safetensors``, or with ``max_shard_bytes`` the Hugging Face sharded layout both engines load
+    (``model-0000i-of-0000n.safetensors`` of at most that many bytes each, whole tensors, plus
+    ``model.safetensors.index.json`` with ``weight_map``). Returns the file names. Raises :class:`EyasError` when
+    one tensor alone is larger than a shard may be (name, size and the limit)."""
+    for old in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
+        old.unlink()
+    items = [(k, v.contiguous()) for k, v in state.items()]
+    if not max_shard_bytes:
+        with atomic_path(out_dir / "model.safetensors") as tmp:
+            save_file(dict(items), str(tmp), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    header = 1 << 16                                        # room for a shard's safetensors header
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for k, v in items:
+        n = v.numel() * v.element_size()
+        if n + header > max_shard_bytes:
+            raise EyasError(f"export: {k} alone is {n:,} bytes, over export.max_shard_bytes={max_shard_bytes:,} "
+                            f"(a smaller draft vocabulary, vocab.coverage, or a larger limit)")
+        if shards[-1] and size + n + header > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((k, v))
+        size += n
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        with atomic_path(out_dir / name) as tmp:
+            save_file(dict(shard), str(tmp), metadata={"format": "pt"})
+        weight_map.update({k: name for k, _ in shard})
+    total = sum(v.numel() * v.element_size() for _, v in items)
+    write_json_atomic(out_dir / "model.safetensors.index.json",
+                      {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names
 
 
 def load_sglang_draft(folder: Path, embed: torch.Tensor) -> tuple[Eagle3DraftModel, list[int]]:

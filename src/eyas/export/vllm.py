@@ -22,13 +22,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..errors import EyasError
 from ..families import convert_layer_ids
-from ..io import atomic_path, write_json_atomic
+from ..io import write_json_atomic
 from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-from .sglang import SGLANG_KEYS, check_state_shapes, rope_fields, sglang_keys
+from .sglang import SGLANG_KEYS, check_state_shapes, rope_fields, sglang_keys, write_weights
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema these fields follow
 
@@ -97,7 +96,8 @@ def check_vllm_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list[s
 
 
 def write_vllm(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], convention: str, target_cfg: dict,
-               *, verifier: str, num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
+               *, verifier: str, num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16,
+               max_shard_bytes: int | None = None) -> Path:
     """Write the speculators folder; raises :class:`EyasError` (and writes nothing) when the key check fails."""
     state = {}
     for k, v in model.trainable_state_dict().items():
@@ -107,8 +107,7 @@ def write_vllm(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], con
     if problems:
         raise EyasError("vLLM export check failed:\n  " + "\n  ".join(problems))
     out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out_dir / "model.safetensors") as tmp:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
+    write_weights(out_dir, state, max_shard_bytes)
     write_json_atomic(out_dir / "config.json", speculators_config(
         model.config, layer_ids, convention, target_cfg, verifier=verifier,
         num_speculative_tokens=num_speculative_tokens))

@@ -136,7 +136,8 @@ def _triton_kernel():
 
     @triton.jit
     def kernel(Q, K, V, O, KLEN, sqb, sqh, skb, skh, skl, svb, svh, svl, sob, soh, scale,
-               G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+               G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+               PREC: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         n_keys = tl.load(KLEN + b)
@@ -154,14 +155,14 @@ def _triton_kernel():
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < n_keys
             k = tl.load(k_base + offs_n[:, None] * skl + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale                                      # [G_PAD, BLOCK_N] fp32
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale               # [G_PAD, BLOCK_N] fp32
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offs_n[:, None] * svl + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(O + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -187,7 +188,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
                      1.0 / math.sqrt(hd), G=G, G_PAD=max(16, triton_next_pow2(G)), HD=hd, BLOCK_N=64,
-                     num_warps=4, num_stages=2)
+                     PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     return o
 
 

@@ -28,11 +28,11 @@ def run(ctx: RunContext) -> dict:
     for fmt in cfg.formats:
         d = ctx.stage_dir("export") / fmt
         if fmt == "sglang":
-            write_sglang(d, model, ids, conv, target_cfg)
+            write_sglang(d, model, ids, conv, target_cfg, max_shard_bytes=cfg.max_shard_bytes)
         else:
             verifier = cfg.verifier or str(materialize_target(ctx.cfg.target).resolve())
             write_vllm(d, model, ids, conv, target_cfg, verifier=verifier,
-                       num_speculative_tokens=cfg.num_speculative_tokens)
+                       num_speculative_tokens=cfg.num_speculative_tokens, max_shard_bytes=cfg.max_shard_bytes)
         write_json_atomic(d / MANIFEST, {"aux_layer_ids": ids, "layer_convention": conv, "target": meta["target"],
                                          "format": fmt})
         rep = check_folder(d, target_cfg)

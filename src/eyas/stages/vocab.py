@@ -1,7 +1,9 @@
 """vocab: the draft vocabulary and its maps, made once per run and never recomputed (SpecForge issue 300).
 
 The draft vocabulary is the ``draft_vocab_size`` most frequent target tokens among the assistant (loss-masked)
-tokens of the training data, sorted ascending by target id (FIELD_NOTES). When the data has fewer distinct
+tokens of the training data, sorted ascending by target id (FIELD_NOTES); with ``vocab.coverage`` its size is the
+smallest multiple of 64 whose most frequent ids cover that share of the assistant tokens (at most
+``draft_vocab_size``), measured on this run's data; ``vocab.json`` records the coverage at common sizes. When the data has fewer distinct
 assistant tokens, the rest is filled with the most frequent other tokens, then the lowest unused ids.
 
 Writes ``vocab/vocab.safetensors``:
@@ -43,6 +45,31 @@ def build_draft_vocab(assistant_counts: Counter, other_counts: Counter, target_v
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+def coverage_curve(assistant_counts: Counter, sizes: list[int]) -> dict[int, float]:
+    """Share of assistant tokens that the ``n`` most frequent ids cover, for each ``n`` in ``sizes``."""
+    freq = sorted(assistant_counts.values(), reverse=True)
+    total = max(sum(freq), 1)
+    out, acc, i = {}, 0, 0
+    for n in sorted(sizes):
+        while i < min(n, len(freq)):
+            acc += freq[i]
+            i += 1
+        out[n] = acc / total
+    return out
+
+
+def size_for_coverage(assistant_counts: Counter, coverage: float, cap: int, multiple: int = 64) -> int:
+    """The smallest draft vocabulary (a multiple of ``multiple``, at most ``cap``) whose most frequent ids cover
+    ``coverage`` of the assistant tokens; ``cap`` when none smaller does."""
+    freq = sorted(assistant_counts.values(), reverse=True)
+    need, acc = coverage * sum(freq), 0
+    for n, f in enumerate(freq, 1):
+        acc += f
+        if acc >= need:
+            return min(cap, -(-n // multiple) * multiple)
+    return cap
+
+
 def maps_from_ids(draft_ids: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t int64 [D], t2d bool [V])`` from ascending draft-to-target ids [D]."""
     d2t = draft_ids - torch.arange(len(draft_ids), dtype=torch.int64)
@@ -68,7 +95,12 @@ def run(ctx: RunContext) -> dict:
     for s in load_samples(ctx):
         for t, m in zip(s.input_ids, s.loss_mask):
             (a_counts if m else o_counts)[t] += 1
-    ids = build_draft_vocab(a_counts, o_counts, target_vocab, cfg.draft_vocab_size)
+    size = cfg.draft_vocab_size
+    if cfg.coverage is not None:
+        size = size_for_coverage(a_counts, cfg.coverage, min(size, target_vocab))
+        ctx.log(f"[eyas] vocab: {size} draft ids cover {cfg.coverage:.2%} of the assistant tokens "
+                f"(vocab.coverage; at most vocab.draft_vocab_size={cfg.draft_vocab_size})")
+    ids = build_draft_vocab(a_counts, o_counts, target_vocab, size)
     d2t, t2d = maps_from_ids(ids, target_vocab)
     out = ctx.stage_dir("vocab")
     with atomic_path(out / "vocab.safetensors") as tmp:
@@ -79,9 +111,11 @@ def run(ctx: RunContext) -> dict:
         "draft_vocab_size": len(ids), "target_vocab_size": target_vocab,
         "distinct_assistant_tokens": len(a_counts), "assistant_tokens": total,
         "assistant_token_coverage": round(covered / max(total, 1), 6),
+        "coverage_by_size": {str(n): round(c, 6) for n, c in coverage_curve(
+            a_counts, [1024, 2048, 4096, 8192, 12288, 16384, 24576, 32000, 65536]).items()},
     }
-    if len(a_counts) < cfg.draft_vocab_size:
+    if len(a_counts) < size:
         ctx.log(f"[eyas] vocab: only {len(a_counts)} distinct assistant tokens; the rest of the "
-                f"{cfg.draft_vocab_size} draft ids is filled from other tokens")
+                f"{size} draft ids is filled from other tokens")
     write_json_atomic(out / "vocab.json", info)
     return info
