@@ -246,7 +246,12 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     device = dist.device
     speed = Speed.resolve(cfg, device, offline=states is stored_states)
     model.to(device)
-    model.set_attention(cfg.attention)
+    attention = cfg.attention
+    if attention == "flex" and device.type == "cpu":   # flex_attention has no CPU backward (torch 2.11-2.13)
+        warnings.warn("train.attention=flex has no backward on the CPU: training with 'sdpa' (the same function)",
+                      stacklevel=2)
+        attention = "sdpa"
+    model.set_attention(attention)
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if speed.compile:
         model.compile_ttt()
