@@ -36,8 +36,10 @@ def _tiny(kind: str):
     torch.manual_seed(0)
     cfg = cls[0](hidden_size=64, intermediate_size=129, num_hidden_layers=3, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=16, vocab_size=211, max_position_embeddings=512,
-                 tie_word_embeddings=False)
-    return cls[1](cfg).eval().cuda()
+                 tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = cls[1](cfg).eval().cuda()
+    model.generation_config.eos_token_id = None     # no end token: every reply is max_new_tokens long
+    return model
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
