@@ -79,3 +79,34 @@ def test_draft_vocabulary_sized_by_coverage():
     n = size_for_coverage(counts, 0.9, cap=10_000)
     assert n % 64 == 0 and coverage_curve(counts, [n])[n] >= 0.9 and coverage_curve(counts, [n - 64])[n - 64] < 0.9
     assert size_for_coverage(counts, 0.9, cap=64) == 64
+
+
+def test_epochs_with_different_numbers_of_token_budget_batches(tmp_path):
+    """Token-budget buckets depend on each epoch's order, so epochs can hold different numbers of micro-batches;
+    the run walks each epoch's own batches (the H200 run of issue 11 stopped with an IndexError in epoch 2 before
+    this) and sees every sample once per whole epoch."""
+    from eyas.config import TrainConfig
+    from eyas.train.loop import Plan
+
+    class Lengths:
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.n = torch.randint(5, 300, (600,), generator=g).tolist()
+
+        def __len__(self):
+            return len(self.n)
+
+        def num_tokens(self, i):
+            return self.n[i]
+
+    plan = Plan(Lengths(), TrainConfig(epochs=6.5, batch_tokens=1000, device="cpu"), world=1)
+    sizes = [plan.size(e) for e in range(7)]
+    assert len(set(sizes)) > 1                      # the case that broke: epochs of different lengths
+    seen, m = [], 0
+    for e in range(6):
+        for _ in range(sizes[e]):
+            seen += plan.micro(m, 0)
+            m += 1
+        assert sorted(seen) == sorted(list(range(600)) * (e + 1))
+    for m in range(plan.total_micro):
+        plan.micro(m, 0)

@@ -203,13 +203,16 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 class Plan:
-    """The global micro-batches of every epoch (cached per epoch) and the run's length in micro-batches."""
+    """The global micro-batches of every epoch and the run's length in micro-batches. Epochs may hold different
+    numbers of micro-batches (token-budget buckets depend on the epoch's order): micro-batch m of the run is found
+    by walking the epochs' own sizes; the run lasts ``ceil(epochs * size of epoch 0)`` micro-batches."""
 
     def __init__(self, dataset, cfg: TrainConfig, world: int):
         self.lengths = [dataset.num_tokens(i) for i in range(len(dataset))]
         self.cfg, self.world = cfg, world
         self._cache: dict[int, list] = {}
-        self.per_epoch = len(self.epoch(0))
+        self._sizes: dict[int, int] = {}
+        self.per_epoch = self.size(0)
         self.total_micro = max(1, math.ceil(cfg.epochs * self.per_epoch))
 
     def epoch(self, e: int) -> list:
@@ -218,9 +221,17 @@ class Plan:
                                          self.cfg.batch_tokens)}
         return self._cache[e]
 
+    def size(self, e: int) -> int:
+        if e not in self._sizes:
+            self._sizes[e] = len(self.epoch(e))
+        return self._sizes[e]
+
     def micro(self, micro: int, rank: int) -> list[int]:
-        e, within = divmod(micro, self.per_epoch)
-        return self.epoch(e)[within][rank]
+        e = 0
+        while micro >= self.size(e):
+            micro -= self.size(e)
+            e += 1
+        return self.epoch(e)[micro][rank]
 
 
 def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainConfig, out_dir: Path,
