@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..capture import engine_info, make_backend
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, DataError, StoreError
 from ..families import STORE_CONVENTION, check_layer_ids, default_aux_layer_ids, text_config
 from ..io import read_json, sha256_bytes, sha256_file
 from ..records import TokenizedSample
@@ -144,6 +144,9 @@ def run(ctx: RunContext) -> dict:
             raise ConfigError("extract.device_map: spreading one target over all GPUs cannot be combined with "
                               "torchrun data parallelism; use one or the other")
         samples = load_samples(ctx)
+        if not samples:
+            raise DataError(f"extract: {ctx.stage_dir('tokenize') / 'samples.jsonl'} holds no sample; rerun "
+                            f"tokenize with --force")
         header = expected_header(ctx)
         if dist.rank == 0:  # cleans orphans and temporaries: nobody else may be writing yet
             store = HiddenStateStore.create_or_open(store_path(ctx), header)

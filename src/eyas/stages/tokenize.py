@@ -10,6 +10,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from ..data.chat import ChatTemplateError, render_conversation
+from ..errors import DataError
 from ..io import JsonlAppender, iter_jsonl, sha256_bytes, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord, TokenizedSample
 from ..targets.load import load_tokenizer, materialize_target
@@ -32,7 +33,10 @@ def run(ctx: RunContext) -> dict:
     out = out_dir / "samples.jsonl"
     out.unlink(missing_ok=True)
     tok = load_tokenizer(ctx.cfg.target)
-    convs = [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir("generate") / "conversations.jsonl")]
+    src = ctx.stage_dir("generate") / "conversations.jsonl"
+    convs = [Conversation.from_json(d) for _, d in iter_jsonl(src)]
+    if not convs:
+        raise DataError(f"tokenize: {src} holds no conversation; rerun generate (and prepare) with --force")
     skips = SkipCounter()
     n = tokens = trained = truncated = 0
     with JsonlAppender(out, fsync_every=1 << 30) as w:
@@ -66,6 +70,10 @@ def run(ctx: RunContext) -> dict:
     write_json_atomic(out_dir / "meta.json", meta)
     if skips.total:
         ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {out_dir / 'meta.json'}")
+    if n == 0:
+        reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
+        raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
+                        f"{reasons}\n(examples in {out_dir / 'meta.json'})")
     return {"samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
             "skipped": skips.total}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, DataError, StoreError
 from ..io import atomic_path, write_json_atomic
 from ..targets.load import read_target_config
 from . import RunContext
@@ -65,9 +65,15 @@ def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.vocab
     target_vocab = int(read_target_config(ctx.cfg.target)["vocab_size"])
     a_counts, o_counts = Counter(), Counter()
-    for s in load_samples(ctx):
+    samples = load_samples(ctx)
+    for s in samples:
         for t, m in zip(s.input_ids, s.loss_mask):
             (a_counts if m else o_counts)[t] += 1
+    if not a_counts:
+        # A vocabulary of filler ids would train a drafter on nothing; stop here, where the cause is visible.
+        raise DataError(f"vocab: the tokenized dataset ({len(samples)} samples in "
+                        f"{ctx.stage_dir('tokenize') / 'samples.jsonl'}) has no assistant (trained) token; rerun "
+                        f"tokenize with --force")
     ids = build_draft_vocab(a_counts, o_counts, target_vocab, cfg.draft_vocab_size)
     d2t, t2d = maps_from_ids(ids, target_vocab)
     out = ctx.stage_dir("vocab")
