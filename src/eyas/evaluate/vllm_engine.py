@@ -36,13 +36,15 @@ METRICS = {
 
 def run_vllm(target_dir: Path, draft_dir: Path, sets: dict[str, list[list[str]]], *, num_speculative_tokens: int,
              max_new_tokens: int, eos_ids: list[int], dtype: str = "float32", temperature: float = 0.0,
-             seed: int = 0, chat_template_kwargs: dict | None = None, max_model_len: int = 2048,
+             seed: int = 0, chat_template_kwargs: dict | None = None, max_model_len: int | None = None,
              timeout_s: float = 1800) -> dict:
     """Serve ``target_dir`` with the draft folder ``draft_dir`` in vLLM and decode every set.
 
     Args:
         sets: set name -> conversations, each a list of user turns (decoded in order).
         dtype: the engine's dtype (``float32`` on CPU matches the reference decoder; ``bfloat16`` as served on GPU).
+        max_model_len: the context vLLM serves; None: the target's own (``max_position_embeddings``, as vLLM
+            derives it).
     Returns ``{set: {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length",
     "acceptance_rate_per_position", "outputs": [[token ids per turn] per conversation], "seconds"}}``.
     Raises :class:`EyasError` when vLLM is not installed or the engine fails (its log tail is included).
@@ -92,7 +94,7 @@ def _serve(req: dict) -> dict:
 
     tok = AutoTokenizer.from_pretrained(req["target"])
     llm = LLM(model=req["target"], tokenizer=req["target"], dtype=req["dtype"], enforce_eager=True,
-              max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,
+              max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,  # None: the target's
               enable_prefix_caching=False,
               speculative_config={"method": "eagle3", "model": req["draft"],
                                   "num_speculative_tokens": req["k"]})

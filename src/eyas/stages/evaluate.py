@@ -25,7 +25,8 @@ from ..evaluate.decoder import SpecConfig, estimated_speedup, speculative_genera
 from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
-from ..targets.load import load_target, load_target_head, materialize_target
+from ..families import check_run_servable, text_config
+from ..targets.load import load_target, load_target_head, materialize_target, read_target_config
 from . import RunContext
 
 
@@ -153,6 +154,8 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     cfg = ctx.cfg.evaluate
     if cfg.topk != 1:
         raise ConfigError("evaluate.engine=vllm drafts chains only: set evaluate.topk=1")
+    tcfg = read_target_config(ctx.cfg.target)
+    check_run_servable(ctx.cfg, tcfg, ctx.log)          # a family vLLM does not serve is refused before it starts
     tok = load_tokenizer(ctx.cfg.target)
     tdir = materialize_target(ctx.cfg.target)
     eos = GenerationConfig.from_pretrained(tdir).eos_token_id if (tdir / "generation_config.json").exists() else None
@@ -160,10 +163,17 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     res = run_vllm(tdir, folder, {n: [t for _, t in convs] for n, convs in sets.items()},
                    num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                    dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
-                   chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+                   chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs,
+                   max_model_len=target_context(tcfg))
     return {n: _set_summary(r["drafts"], r["accepted"], r["accepted_per_pos"], prompts=len(sets[n]),
                             turns=sum(len(t) for t in r["outputs"]), lossless_mismatches=None,
                             vllm_seconds=round(r["seconds"], 2)) for n, r in res.items()}
+
+
+def target_context(target_cfg: dict) -> int:
+    """The context vLLM is asked to serve: the target's own ``max_position_embeddings`` (vLLM refuses a
+    ``max_model_len`` above it, so a fixed 2,048 refused stories260K's 512)."""
+    return int(text_config(target_cfg).get("max_position_embeddings") or 2048)
 
 
 def model_eos_ids(target, tok) -> set[int]:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..capture import engine_info, make_backend
 from ..errors import ConfigError, DataError, StoreError
-from ..families import STORE_CONVENTION, check_layer_ids, default_aux_layer_ids, text_config
+from ..families import STORE_CONVENTION, check_run_servable, default_aux_layer_ids, text_config
 from ..io import read_json, sha256_bytes, sha256_file
 from ..records import TokenizedSample
 from ..store import HiddenStateStore, StoreHeader
@@ -39,11 +39,12 @@ from .tokenize import load_samples
 
 
 def aux_layer_ids(ctx: RunContext) -> list[int]:
-    """The configured aux layer ids, or the default ``[1, N//2-1, N-4]`` (``output_of_layer``)."""
+    """The configured aux layer ids, or the default ``[1, N//2-1, N-4]`` (``output_of_layer``). Raises
+    :class:`ConfigError` when the engines of ``export.formats`` could not serve a drafter on them."""
     tcfg = read_target_config(ctx.cfg.target)
     n = int(text_config(tcfg)["num_hidden_layers"])
     ids = ctx.cfg.extract.layer_ids or default_aux_layer_ids(n, tcfg)  # the family's engine default
-    check_layer_ids(ids, n)
+    check_run_servable(ctx.cfg, tcfg)
     return ids
 
 

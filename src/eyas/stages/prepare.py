@@ -25,7 +25,8 @@ from ..data.formats import load_source
 from ..errors import DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
-from ..targets.load import load_tokenizer
+from ..families import check_run_servable
+from ..targets.load import load_tokenizer, read_target_config
 from . import RunContext
 
 DUPLICATE = "duplicate conversation (same sample id)"
@@ -38,6 +39,8 @@ def run(ctx: RunContext) -> dict:
     out = out_dir / "conversations.jsonl"
     out.unlink(missing_ok=True)  # prepare is cheap and deterministic: always rebuilt whole
     tok = load_tokenizer(ctx.cfg.target)
+    # The first stage that knows the target refuses a drafter no engine would serve (layers, vocabulary, formats).
+    check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
     skips = SkipCounter()
     seen: set[str] = set()
     per_source = []

@@ -2,7 +2,10 @@
 
 The draft vocabulary is the ``draft_vocab_size`` most frequent target tokens among the assistant (loss-masked)
 tokens of the training data, sorted ascending by target id (FIELD_NOTES). When the data has fewer distinct
-assistant tokens, the rest is filled with the most frequent other tokens, then the lowest unused ids.
+assistant tokens, the rest is filled with the most frequent other tokens, then the lowest unused ids. Unset, the
+size is 32,000, or the target's whole vocabulary when that is smaller (a full-vocabulary draft: its export carries
+no d2t, since vLLM has no parameter for one then). A size above the target's vocabulary is refused when the run
+starts (:func:`eyas.families.check_run_servable`). A dataset without assistant tokens stops the stage.
 
 Writes ``vocab/vocab.safetensors``:
 - ``d2t`` int64 [draft_vocab]: ``d2t[i] = draft_to_target_id[i] - i`` (offsets, as SGLang and vLLM read them);
@@ -19,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import ConfigError, DataError, StoreError
+from ..families import check_run_servable, text_config
 from ..io import atomic_path, write_json_atomic
 from ..targets.load import read_target_config
 from . import RunContext
@@ -63,7 +67,9 @@ def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.vocab
-    target_vocab = int(read_target_config(ctx.cfg.target)["vocab_size"])
+    tcfg = read_target_config(ctx.cfg.target)
+    check_run_servable(ctx.cfg, tcfg, ctx.log)
+    target_vocab = int(text_config(tcfg)["vocab_size"])
     a_counts, o_counts = Counter(), Counter()
     samples = load_samples(ctx)
     for s in samples:
@@ -74,7 +80,8 @@ def run(ctx: RunContext) -> dict:
         raise DataError(f"vocab: the tokenized dataset ({len(samples)} samples in "
                         f"{ctx.stage_dir('tokenize') / 'samples.jsonl'}) has no assistant (trained) token; rerun "
                         f"tokenize with --force")
-    ids = build_draft_vocab(a_counts, o_counts, target_vocab, cfg.draft_vocab_size)
+    size = cfg.size_for(target_vocab)
+    ids = build_draft_vocab(a_counts, o_counts, target_vocab, size)
     d2t, t2d = maps_from_ids(ids, target_vocab)
     out = ctx.stage_dir("vocab")
     with atomic_path(out / "vocab.safetensors") as tmp:
@@ -86,8 +93,8 @@ def run(ctx: RunContext) -> dict:
         "distinct_assistant_tokens": len(a_counts), "assistant_tokens": total,
         "assistant_token_coverage": round(covered / max(total, 1), 6),
     }
-    if len(a_counts) < cfg.draft_vocab_size:
+    if len(a_counts) < size:
         ctx.log(f"[eyas] vocab: only {len(a_counts)} distinct assistant tokens; the rest of the "
-                f"{cfg.draft_vocab_size} draft ids is filled from other tokens")
+                f"{size} draft ids is filled from other tokens")
     write_json_atomic(out / "vocab.json", info)
     return info
