@@ -278,9 +278,17 @@ def plan(
     t.add_row("prefill GPU-hours", f"dataset {p.dataset_prefill_gpu_hours:.2f}; per 100K samples "
               f"{p.prefill_gpu_hours_per_100k_samples:.2f} ({p.prefill_tokens_per_s:,.0f} tokens/s per GPU: "
               f"{p.prefill_assumption})")
+    t.add_row("store as configured", f"{human_bytes(p.store_bytes)} in {p.store_path}; "
+              f"{human_bytes(p.store_free_bytes)} free on its disk")
+    for k, v in p.cheaper.items():
+        t.add_row("cheaper", f"{k}: {human_bytes(v)}" if v else k)
     for n in p.notes:
         t.add_row("note", n)
+    for w in p.warnings:
+        t.add_row("WARNING", w)
     Console().print(t)
+    for w in p.warnings:
+        console.print(f"warning: {w}", style="bold yellow", markup=False, highlight=False)
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:

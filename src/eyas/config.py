@@ -141,6 +141,9 @@ class ExtractConfig(Section):
         default_factory=dict, description="backend vllm: more vllm.EngineArgs (tensor_parallel_size, "
         "gpu_memory_utilization, enforce_eager); the capture settings themselves cannot be overridden"
     )
+    ignore_disk_space: bool = Field(
+        False, description="start even when the store's disk has less free space than the bytes extract will "
+        "write (it refuses otherwise); does not change the store, so it is not part of the stage's fingerprint")
 
     @field_validator("layer_ids")
     @classmethod

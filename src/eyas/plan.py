@@ -13,7 +13,12 @@ are enough, so a 1T-parameter target can be planned on a laptop):
   ``H`` wide: ``(L + 1) * H * 2`` in bf16 (``8 * H`` for 3 aux layers: 56 KiB at H = 7168, FIELD_NOTES rule 5);
   with ``extract.aux_format: float8_e4m3fn`` the aux states take ``L * (H + 4)`` (one fp32 scale per token and
   layer, :mod:`eyas.store.fp8`) and the last state stays in ``extract.dtype`` (it gives the soft labels). Token ids
-  (int64, 8 bytes) are counted separately.
+  (int32, 4 bytes) are counted separately. ``store_bytes`` is what extract will write with the configured
+  ``extract.dtype`` / ``aux_format`` (ids included; 0 with ``train.mode: online``, which stores nothing).
+- the disk: the free space of the disk that will hold ``RUN/extract/store``. Past it, the plan warns and names the
+  cheaper choices with their sizes (:attr:`Plan.cheaper`): fp8 aux states, online training (nothing stored),
+  shorter samples (``tokenize.max_length`` halved, quartered); extract itself refuses to start then
+  (:mod:`eyas.store.space`).
 - prefill GPU-hours: ``tokens * 2 * active_parameters / (peak_flops * mfu)``, the standard dense-transformer
   estimate of 2 FLOPs per active parameter per token (the attention score term, about ``4 * layers * T * width``
   per token, is left out: under 10% at T = 2048 for the families here). Active parameters are counted from the
@@ -25,6 +30,7 @@ are enough, so a 1T-parameter target can be planned on a laptop):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .config import RunConfig
 from .data.chat import ChatTemplateError, render_conversation, render_prompt
@@ -32,12 +38,12 @@ from .data.formats import load_source
 from .errors import ConfigError
 from .families import default_aux_layer_ids, family_of, text_config
 from .records import SkipCounter
+from .store.space import ID_BYTES, disk_free, hidden_state_bytes_per_token, store_bytes_per_token
 from .targets.load import load_tokenizer, materialize_target, read_target_config
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H200 datasheet, without sparsity)
 DEFAULT_MFU = 0.35
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TOKEN_ID_BYTES = 8  # input_ids are stored as int64
+TOKEN_ID_BYTES = ID_BYTES  # input_ids are stored as int32
 
 
 @dataclass
@@ -65,22 +71,15 @@ class Plan:
     prefill_assumption: str
     dataset_prefill_gpu_hours: float
     prefill_gpu_hours_per_100k_samples: float
+    store_path: str = ""                      # where extract writes: RUN/extract/store
+    store_bytes: int = 0                      # what extract writes as configured (0: online training)
+    store_free_bytes: int | None = None       # free on the disk that holds store_path
+    cheaper: dict[str, int] = field(default_factory=dict)   # a cheaper setting -> store bytes with it
+    warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16",
-                                 aux_fp8: bool = False) -> int:
-    """Bytes one token takes in the store for ``num_aux`` aux states plus the last state (ids not counted).
-
-    bf16: ``(num_aux + 1) * H * 2``; ``aux_fp8``: ``num_aux * (H + 4) + H * bytes(dtype)`` (e4m3 values, one fp32
-    scale per token and layer, last state unquantised). Raises ``KeyError`` for an unknown dtype.
-    """
-    b = BYTES[dtype]
-    aux = num_aux * (hidden_size + 4) if aux_fp8 else num_aux * hidden_size * b
-    return aux + hidden_size * b
 
 
 def parameter_counts(target_cfg: dict) -> tuple[int, int]:
@@ -208,6 +207,7 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         notes.append(f"generate.enabled: assistant turns counted at most {cfg.generate.max_new_tokens + 1} tokens")
     if skipped:
         notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
+    store, store_bytes, free, cheaper, warnings = _store_fit(cfg, H, L, counts, n_samples)
     return Plan(
         family=fam.name, num_layers=N, hidden_size=H, vocab_size=V, layer_ids=list(layer_ids),
         total_parameters=total, active_parameters=active, sampled_samples=len(counts), skipped_samples=skipped,
@@ -219,8 +219,38 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         prefill_assumption=assumption,
         dataset_prefill_gpu_hours=round(dataset_tokens / prefill_tokens_per_s / 3600, 3),
         prefill_gpu_hours_per_100k_samples=round(per_100k_tokens / prefill_tokens_per_s / 3600, 3),
+        store_path=str(store), store_bytes=store_bytes, store_free_bytes=free, cheaper=cheaper, warnings=warnings,
         notes=notes,
     )
+
+
+def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int):
+    """``(store path, store bytes as configured, free bytes, cheaper choices, warnings)`` (module docstring)."""
+    store = Path(cfg.run_dir) / "extract" / "store"      # where the extract stage writes
+    x = cfg.extract
+
+    def size(dtype=x.dtype, aux_format=x.aux_format, max_length=None) -> int:
+        per_token = store_bytes_per_token(H, L, dtype, aux_format)
+        mean = sum(min(n, max_length or n) for n in counts) / len(counts)
+        return round(per_token * mean * n_samples)
+
+    store_bytes = 0 if cfg.train.mode == "online" else size()
+    _, free = disk_free(store)
+    cheaper: dict[str, int] = {}
+    if cfg.train.mode != "online":
+        if x.aux_format != "float8_e4m3fn":
+            cheaper["extract.aux_format: float8_e4m3fn"] = size(aux_format="float8_e4m3fn")
+        cheaper["train.mode: online (the target runs in the training job; nothing stored)"] = 0
+        longest = max(counts)
+        for cut in (cfg.tokenize.max_length // 2, cfg.tokenize.max_length // 4):
+            if 8 <= cut < longest:
+                cheaper[f"tokenize.max_length: {cut}"] = size(max_length=cut)
+    warnings = []
+    if store_bytes > free:
+        choices = "; ".join(f"{k}: {human_bytes(v)}" if v else k for k, v in cheaper.items())
+        warnings.append(f"the store needs {human_bytes(store_bytes)} but the disk holding {store} has "
+                        f"{human_bytes(free)} free: extract will refuse to start. Cheaper choices: {choices}")
+    return store, store_bytes, free, cheaper, warnings
 
 
 def human_bytes(n: float) -> str:

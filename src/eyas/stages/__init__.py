@@ -44,7 +44,7 @@ _DEPENDS = {
 # Fields that do not change a stage's output (where it runs, how often it logs) are left out of fingerprints.
 # Dotted names reach into nested sections (the server address and how hard to push it do not change replies).
 _NEUTRAL = {
-    "target": {"device", "cache_dir"}, "train": {"device", "log_every"},
+    "target": {"device", "cache_dir"}, "train": {"device", "log_every"}, "extract": {"ignore_disk_space"},
     "generate": {"openai.base_url", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
                  "openai.max_retries"},
 }

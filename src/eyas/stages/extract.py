@@ -6,6 +6,10 @@ reaches the writer, so nothing else (warm-up, health checks, another run's sampl
 sample is validated before commit (row count equals token count, width equals layers x H, dtype, finite) and
 shards are committed atomically (:mod:`eyas.store.shards`).
 
+Before anything is written, extract states the bytes it will write (the samples the store lacks, at the store's
+bytes per token) and refuses to start when the disk holding the store has less free space
+(``extract.ignore_disk_space: true`` overrides; :mod:`eyas.store.space`).
+
 Batches are planned once from the whole dataset (:func:`plan_batches`); a re-run (after a crash, or
 ``eyas doctor --repair``) recomputes only the planned batches that hold a missing sample and stores only the missing
 samples, so a resumed store is bit-identical to an uninterrupted one on the same machine.
@@ -33,6 +37,7 @@ from ..records import TokenizedSample
 from ..store import HiddenStateStore, StoreHeader
 from ..store.pipeline import BackgroundWriter
 from ..store.shards import read_safetensors_header
+from ..store.space import check_disk_space, store_bytes_per_token
 from ..targets.load import materialize_target, read_target_config, resolve_device
 from . import RunContext
 from .tokenize import load_samples
@@ -149,6 +154,7 @@ def run(ctx: RunContext) -> dict:
             raise DataError(f"extract: {ctx.stage_dir('tokenize') / 'samples.jsonl'} holds no sample; rerun "
                             f"tokenize with --force")
         header = expected_header(ctx)
+        check_store_space(ctx, header, samples)   # every rank, before any writes: they all stop alike
         if dist.rank == 0:  # cleans orphans and temporaries: nobody else may be writing yet
             store = HiddenStateStore.create_or_open(store_path(ctx), header)
             resumed = store.validate_for_resume()
@@ -173,6 +179,31 @@ def run(ctx: RunContext) -> dict:
             "layer_convention": header.layer_convention, "dtype": cfg.dtype, "aux_format": cfg.aux_format,
             "store_bytes": total_bytes, "bytes_per_token": round(total_bytes / max(total_tokens, 1), 1),
             "tokens_per_s": stats.get("tokens_per_s"), "ranks": dist.world}
+
+
+def check_store_space(ctx: RunContext, header: StoreHeader, samples: list[TokenizedSample]) -> int:
+    """State the bytes extract will write (the samples the store lacks, at the store's bytes per token, plus one
+    shard in flight per process) and refuse to start when the store's disk has less free space, unless
+    ``extract.ignore_disk_space``. Returns the bytes it will write."""
+    cfg = ctx.cfg.extract
+    path = store_path(ctx)
+    stored: set[str] = set()
+    if (path / "store.json").exists():
+        try:
+            stored = set(HiddenStateStore.open(path).ids())
+        except StoreError:
+            stored = set()   # an unreadable or foreign store is refused by create_or_open, with its reason
+    todo = [s for s in samples if s.id not in stored]
+    tokens = sum(s.num_tokens for s in todo)
+    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    need = tokens * per_token + (cfg.shard_bytes * world if todo else 0)
+    from ..plan import human_bytes
+
+    ctx.log(f"[eyas] extract: will write {human_bytes(need)} ({len(todo)} samples, {tokens:,} tokens x {per_token:,} "
+            f"bytes/token, plus one shard in flight per process) to {path}")
+    check_disk_space(need, path, ignore=cfg.ignore_disk_space, what="extract", log=ctx.log)
+    return need
 
 
 def extract_missing(ctx: RunContext, store: HiddenStateStore, samples: list[TokenizedSample], dist=None) -> dict:
