@@ -36,7 +36,7 @@ from .config import RunConfig
 from .data.chat import ChatTemplateError, render_conversation, render_prompt
 from .data.formats import load_source
 from .errors import ConfigError
-from .families import default_aux_layer_ids, family_of, text_config
+from .families import check_run_servable, default_aux_layer_ids, family_of, text_config
 from .records import SkipCounter
 from .store.space import ID_BYTES, disk_free, hidden_state_bytes_per_token, store_bytes_per_token
 from .targets.load import load_tokenizer, materialize_target, read_target_config
@@ -175,11 +175,13 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
          mfu: float = DEFAULT_MFU, peak_flops: float = H200_BF16_FLOPS) -> Plan:
     """Estimate tokens, store bytes and prefill GPU-hours of the run ``cfg`` (see the module docstring).
 
-    Raises :class:`ConfigError` when ``sample`` < 1 or no conversation of the sample can be rendered.
+    Raises :class:`ConfigError` when ``sample`` < 1, no conversation of the sample can be rendered, or the run
+    configures a drafter no engine would serve (as its first stage would).
     """
     if sample < 1:
         raise ConfigError(f"plan: sample must be >= 1, got {sample}")
     tcfg = read_target_config(cfg.target)
+    check_run_servable(cfg, tcfg)
     c = text_config(tcfg)
     fam = family_of(tcfg)
     N, H, V = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
