@@ -352,14 +352,20 @@ def aux_layer_id_problems(ids: list[int], num_layers: int | None = None,
 def servable_problems(target_cfg: dict, *, layer_ids: list[int] | None, draft_vocab_size: int | None,
                       formats: list[str], evaluate_engine: str | None = None) -> tuple[list[str], list[str]]:
     """``(errors, warnings)``: what keeps the engines that load ``formats`` from serving this run's drafter, each
-    naming the config field and the engine rule. ``layer_ids`` None means the family's default."""
+    naming the config field and the engine rule. ``layer_ids`` None means the family's default; when a toy target is
+    too shallow for it, that is a warning here (the extract stage refuses it), so data-only stages still run."""
     cfg = text_config(target_cfg)
     fam = family_of(target_cfg)
     n = int(cfg["num_hidden_layers"])
     engines = tuple(dict.fromkeys(e for f in formats for e in ENGINES_OF_FORMAT[f]))
     errors, warnings = [], []
-    ids = layer_ids if layer_ids is not None else fam.aux_layers(n)
-    errors += [f"extract.layer_ids: {p}" for p in aux_layer_id_problems(ids, n, engines)]
+    if layer_ids is not None:
+        errors += [f"extract.layer_ids: {p}" for p in aux_layer_id_problems(layer_ids, n, engines)]
+    else:  # the family's default: only a toy target is too shallow for it; extract refuses it, say so now
+        default = fam.aux_layers(n)
+        if aux_layer_id_problems(default, n, engines):
+            warnings.append(f"extract.layer_ids: unset, and the engines' default {default} does not fit this "
+                            f"{n}-layer target; set extract.layer_ids before extract (it refuses)")
     vocab = int(cfg["vocab_size"])
     if draft_vocab_size is not None and draft_vocab_size > vocab:
         errors.append(f"vocab.draft_vocab_size: {draft_vocab_size} exceeds the target vocabulary ({vocab}): d2t maps "
