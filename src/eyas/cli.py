@@ -96,6 +96,10 @@ def _export_command():
                                                                    "and vLLM would read it, and stop."),
         target: Optional[str] = typer.Option(None, "--target", help="With --check: the target's HF folder (its "
                                                                      "depth, width, vocabulary and RoPE are checked)."),
+        engine: Optional[str] = typer.Option(None, "--engine", help="With --check: sglang, vllm or both: the "
+                                             "engines whose errors set the exit status (default: those the "
+                                             "folder's layout is for: vllm for a speculators folder, both for an "
+                                             "SGLang-style one)."),
     ) -> None:
         if check is None:
             if config is None:
@@ -106,13 +110,20 @@ def _export_command():
 
         from .export.check import check_folder
 
+        if engine not in (None, "sglang", "vllm", "both"):
+            _fail(EyasError(f"--engine {engine}: expected sglang, vllm or both"))
         try:
             tcfg = json.loads((Path(target) / "config.json").read_text()) if target else None
             rep = check_folder(Path(check), tcfg)
         except (EyasError, OSError) as e:
             _fail(e)
+        asked = engine or rep.engines
         Console().print(rep.to_text(), markup=False, highlight=False)
-        raise typer.Exit(code=0 if rep.ok else 1)
+        ok = rep.ok_for(asked)
+        Console().print(f"{'OK' if ok else 'FAIL'} for {asked if asked != 'both' else 'SGLang and vLLM'}"
+                        + ("" if engine else " (the engines this layout is for; --engine to choose)"),
+                        markup=False, highlight=False)
+        raise typer.Exit(code=0 if ok else 1)
 
     command.__doc__ = ("Run only the 'export' stage (export.formats: sglang, vllm), or --check DIR: what SGLang and "
                        "vLLM would skip, misread or refuse in any draft folder.")
@@ -267,6 +278,10 @@ def plan(
     t.add_row("prefill GPU-hours", f"dataset {p.dataset_prefill_gpu_hours:.2f}; per 100K samples "
               f"{p.prefill_gpu_hours_per_100k_samples:.2f} ({p.prefill_tokens_per_s:,.0f} tokens/s per GPU: "
               f"{p.prefill_assumption})")
+    t.add_row("store as configured", f"{human_bytes(p.store_bytes)} in {p.store_path}; "
+              f"{human_bytes(p.store_free_bytes)} free on its disk")
+    for k, v in p.cheaper.items():
+        t.add_row("cheaper", f"{k}: {human_bytes(v)}" if v else k)
     m = p.mode
     t.add_row("training mode", f"{m.recommended} (train.mode: {m.recommended}): {m.reason}; train.mode is "
               f"'{load_config(config, overrides).train.mode}' in this config")
@@ -274,7 +289,11 @@ def plan(
               f"training ~{m.train_tokens_per_s:,.0f} tokens/s per GPU)")
     for n in p.notes:
         t.add_row("note", n)
+    for w in p.warnings:
+        t.add_row("WARNING", w)
     Console().print(t)
+    for w in p.warnings:
+        console.print(f"warning: {w}", style="bold yellow", markup=False, highlight=False)
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:

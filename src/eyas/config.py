@@ -18,8 +18,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
+from .families import aux_layer_id_problems
 
 DEMO_CONFIG = "pkg:eyas/demo/demo.yaml"
+DEFAULT_DRAFT_VOCAB = 32000  # the usual draft vocabulary (FIELD_NOTES "The draft model")
 
 
 class Section(BaseModel):
@@ -110,17 +112,24 @@ class TokenizeConfig(Section):
 class VocabConfig(Section):
     """vocab: the draft vocabulary (most frequent assistant tokens) and its d2t/t2d maps."""
 
-    draft_vocab_size: int = Field(32000, ge=2, description="draft vocabulary size (the most with coverage set)")
+    draft_vocab_size: int | None = Field(
+        None, ge=2, description="ids in the draft vocabulary; default 32000 (FIELD_NOTES), or the target's whole "
+        "vocabulary when it is smaller (a full-vocabulary draft is exported without d2t, as vLLM requires)")
     coverage: float | None = Field(
         None, gt=0.0, le=1.0, description="size the draft vocabulary by measured coverage: the fewest most "
-        "frequent ids (a multiple of 64) covering this share of the assistant tokens; null: draft_vocab_size")
+        "frequent ids (a multiple of 64) covering this share of the assistant tokens, at most the size above")
+
+    def size_for(self, target_vocab: int) -> int:
+        """The draft vocabulary size for a target of ``target_vocab`` tokens (the default resolved)."""
+        return self.draft_vocab_size if self.draft_vocab_size is not None else min(DEFAULT_DRAFT_VOCAB, target_vocab)
 
 
 class ExtractConfig(Section):
     """extract: target hidden states at the aux layers plus the post-norm last hidden state."""
 
     layer_ids: list[int] | None = Field(
-        None, description="0-based 'output of layer' ids; default [1, N//2-1, N-4] (FIELD_NOTES)"
+        None, description="0-based 'output of layer' ids, exactly 3, ascending, within 0..N-2 (what SGLang and "
+        "vLLM capture); default [1, N//2-1, N-4] (FIELD_NOTES)"
     )
     batch_tokens: int = Field(8192, ge=1, description="padded tokens per forward pass")
     shard_bytes: int = Field(256 << 20, ge=1, description="target size of one safetensors shard")
@@ -141,6 +150,18 @@ class ExtractConfig(Section):
         default_factory=dict, description="backend vllm: more vllm.EngineArgs (tensor_parallel_size, "
         "gpu_memory_utilization, enforce_eager); the capture settings themselves cannot be overridden"
     )
+    ignore_disk_space: bool = Field(
+        False, description="start even when the store's disk has less free space than the bytes extract will "
+        "write (it refuses otherwise); does not change the store, so it is not part of the stage's fingerprint")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _servable_layer_ids(cls, v: list[int] | None) -> list[int] | None:
+        # What the engines serve, checkable without the target (its depth is checked by the first stage).
+        problems = aux_layer_id_problems(v) if v is not None else []
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
 
 
 class DraftConfig(Section):

@@ -303,3 +303,103 @@ def draft_attention_defaults(target_cfg: dict) -> dict:
         "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the engines serve: checked before any work, so a drafter no engine loads is refused at the start, not after
+# extract and train (issue 12). Each rule was read from the engines' source:
+# - SGLang python/sglang/srt/models/llama_eagle3.py: ``fc = Linear(target_hidden_size * 3, hidden_size)``: exactly
+#   three aux states. vLLM vllm/model_executor/models/llama_eagle3.py sizes fc from ``num_aux_hidden_states``, else
+#   the length of ``eagle_config``'s ids, else 3; a speculators config (vllm/transformers_utils/configs/speculators)
+#   carries neither, so it is 3 there too. Eyas's exports therefore hold exactly three.
+# - SGLang models/llama.py ``LlamaModel.forward``: ``if i in layers_to_capture: aux.append(hidden_states +
+#   residual)`` runs before decoder layer i, for i in [start_layer, end_layer): it captures the inputs of layers
+#   1..N-1 (layer 0's residual is None), i.e. ``output_of_layer`` 0..N-2; the output of the last layer is never
+#   captured. vLLM 0.32 models/llama.py also captures after the last layer (``_maybe_add_hidden_state(..., idx + 1,
+#   ...)``), so a vLLM-only drafter may use ``output_of_layer`` N-1.
+# - Both engines capture in depth order (vLLM sorts and de-duplicates the ids), so the ids must be ascending and
+#   distinct, or fc would see the states in another order than training did.
+# - The draft vocabulary is a subset of the target's (d2t maps into it).
+
+ENGINE_AUX_LAYERS = 3
+ENGINES_OF_FORMAT = {"sglang": ("sglang", "vllm"), "vllm": ("vllm",)}  # export format -> engines that load it
+
+
+def aux_layer_id_problems(ids: list[int], num_layers: int | None = None,
+                          engines: tuple[str, ...] = ("sglang", "vllm")) -> list[str]:
+    """Why the engines in ``engines`` cannot serve a drafter on aux layers ``ids`` (``output_of_layer``) of a target
+    with ``num_layers`` decoder layers (unknown: the range is not checked). Empty when they can."""
+    out = []
+    if len(ids) != ENGINE_AUX_LAYERS:
+        out.append(f"{len(ids)} ids {list(ids)}; the engines serve exactly {ENGINE_AUX_LAYERS} (SGLang's "
+                   f"llama_eagle3.py builds fc as Linear(3 * target_hidden_size, hidden_size); vLLM assumes 3 for a "
+                   f"speculators folder), so the export would fail after extract and train")
+    if len(set(ids)) != len(ids) or sorted(ids) != list(ids):
+        out.append(f"{list(ids)} must be distinct and ascending: the engines capture layers in depth order")
+    if num_layers is not None:
+        last = num_layers - 2 if "sglang" in engines else num_layers - 1
+        bad = [i for i in ids if i < 0 or i > last]
+        if bad:
+            why = (f"SGLang captures the inputs of decoder layers 1..{num_layers - 1}, i.e. outputs of layers "
+                   f"0..{num_layers - 2}, never the last layer's output" if "sglang" in engines else
+                   f"the target has layers 0..{num_layers - 1}")
+            out.append(f"{bad} outside 0..{last} for a {num_layers}-layer target ({why})")
+    elif any(i < 0 for i in ids):
+        out.append(f"{list(ids)}: layer ids are 0-based and not negative")
+    return out
+
+
+def servable_problems(target_cfg: dict, *, layer_ids: list[int] | None, draft_vocab_size: int | None,
+                      formats: list[str], evaluate_engine: str | None = None) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: what keeps the engines that load ``formats`` from serving this run's drafter, each
+    naming the config field and the engine rule. ``layer_ids`` None means the family's default; when a toy target is
+    too shallow for it, that is a warning here (the extract stage refuses it), so data-only stages still run."""
+    cfg = text_config(target_cfg)
+    fam = family_of(target_cfg)
+    n = int(cfg["num_hidden_layers"])
+    engines = tuple(dict.fromkeys(e for f in formats for e in ENGINES_OF_FORMAT[f]))
+    errors, warnings = [], []
+    if layer_ids is not None:
+        errors += [f"extract.layer_ids: {p}" for p in aux_layer_id_problems(layer_ids, n, engines)]
+    else:  # the family's default: only a toy target is too shallow for it; extract refuses it, say so now
+        default = fam.aux_layers(n)
+        if aux_layer_id_problems(default, n, engines):
+            warnings.append(f"extract.layer_ids: unset, and the engines' default {default} does not fit this "
+                            f"{n}-layer target; set extract.layer_ids before extract (it refuses)")
+    vocab = int(cfg["vocab_size"])
+    if draft_vocab_size is not None and draft_vocab_size > vocab:
+        errors.append(f"vocab.draft_vocab_size: {draft_vocab_size} exceeds the target vocabulary ({vocab}): d2t maps "
+                      f"draft ids into the target's vocabulary")
+    asked = {f"export.formats: {f}": ENGINES_OF_FORMAT[f][0] for f in formats}
+    if evaluate_engine == "vllm":
+        asked["evaluate.engine: vllm"] = "vllm"
+    for field_, engine in asked.items():
+        served = fam.sglang_eagle3 if engine == "sglang" else fam.vllm_eagle3
+        if served:
+            continue
+        if fam is GENERIC:
+            warnings.append(f"{field_}: {cfg.get('model_type')!r} is not a family Eyas knows; whether {engine} serves "
+                            f"EAGLE-3 for it is unchecked")
+        else:
+            errors.append(f"{field_}: {engine} does not serve an EAGLE-3 drafter for {fam.title} targets "
+                          f"({fam.aux_layers_source})")
+    return errors, warnings
+
+
+def check_servable(target_cfg: dict, *, layer_ids: list[int] | None, draft_vocab_size: int | None,
+                   formats: list[str], evaluate_engine: str | None = None, log=None) -> None:
+    """Raise :class:`ConfigError` listing every problem of :func:`servable_problems`; warnings go to ``log``."""
+    errors, warnings = servable_problems(target_cfg, layer_ids=layer_ids, draft_vocab_size=draft_vocab_size,
+                                         formats=formats, evaluate_engine=evaluate_engine)
+    for w in warnings if log else ():
+        log(f"[eyas] warning: {w}")
+    if errors:
+        raise ConfigError("the configured drafter cannot be served; refused before any work:\n  "
+                          + "\n  ".join(errors))
+
+
+def check_run_servable(cfg, target_cfg: dict, log=None) -> None:
+    """:func:`check_servable` for a run config (``eyas.config.RunConfig``: its extract, vocab, export and evaluate
+    sections). Called by the first stage that knows the target and again by each stage the fields change."""
+    check_servable(target_cfg, layer_ids=cfg.extract.layer_ids, draft_vocab_size=cfg.vocab.draft_vocab_size,
+                   formats=list(cfg.export.formats), evaluate_engine=cfg.evaluate.engine, log=log)

@@ -13,7 +13,12 @@ are enough, so a 1T-parameter target can be planned on a laptop):
   ``H`` wide: ``(L + 1) * H * 2`` in bf16 (``8 * H`` for 3 aux layers: 56 KiB at H = 7168, FIELD_NOTES rule 5);
   with ``extract.aux_format: float8_e4m3fn`` the aux states take ``L * (H + 4)`` (one fp32 scale per token and
   layer, :mod:`eyas.store.fp8`) and the last state stays in ``extract.dtype`` (it gives the soft labels). Token ids
-  (int64, 8 bytes) are counted separately.
+  (int32, 4 bytes) are counted separately. ``store_bytes`` is what extract will write with the configured
+  ``extract.dtype`` / ``aux_format`` (ids included; 0 with ``train.mode: online``, which stores nothing).
+- the disk: the free space of the disk that will hold ``RUN/extract/store``. Past it, the plan warns and names the
+  cheaper choices with their sizes (:attr:`Plan.cheaper`): fp8 aux states, online training (nothing stored),
+  shorter samples (``tokenize.max_length`` halved, quartered); extract itself refuses to start then
+  (:mod:`eyas.store.space`).
 - training mode: offline (the store) or online (the target in the training job), whichever costs fewer GPU-hours
   for ``train.epochs`` (:func:`choose_mode`), online whenever the store would not fit the free disk.
 - prefill GPU-hours: ``tokens * 2 * active_parameters / (peak_flops * mfu)``, the standard dense-transformer
@@ -27,19 +32,20 @@ are enough, so a 1T-parameter target can be planned on a laptop):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .config import RunConfig
 from .data.chat import ChatTemplateError, render_conversation, render_prompt
 from .data.formats import load_source
 from .errors import ConfigError
-from .families import default_aux_layer_ids, family_of, text_config
+from .families import check_run_servable, default_aux_layer_ids, family_of, text_config
 from .records import SkipCounter
+from .store.space import ID_BYTES, disk_free, hidden_state_bytes_per_token, store_bytes_per_token
 from .targets.load import load_tokenizer, materialize_target, read_target_config
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H200 datasheet, without sparsity)
 DEFAULT_MFU = 0.35
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TOKEN_ID_BYTES = 8  # input_ids are stored as int64
+TOKEN_ID_BYTES = ID_BYTES  # input_ids are stored as int32
 
 
 @dataclass
@@ -67,6 +73,11 @@ class Plan:
     prefill_assumption: str
     dataset_prefill_gpu_hours: float
     prefill_gpu_hours_per_100k_samples: float
+    store_path: str = ""                      # where extract writes: RUN/extract/store
+    store_bytes: int = 0                      # what extract writes as configured (0: online training)
+    store_free_bytes: int | None = None       # free on the disk that holds store_path
+    cheaper: dict[str, int] = field(default_factory=dict)   # a cheaper setting -> store bytes with it
+    warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     mode: "ModeChoice | None" = None
 
@@ -112,7 +123,8 @@ def draft_train_flops_per_token(cfg: RunConfig, tcfg: dict, num_aux: int) -> flo
     nkv = d.num_key_value_heads or int(c.get("num_key_value_heads") or nh)
     hd = d.head_dim or int(c.get("head_dim") or Ht // int(c["num_attention_heads"]))
     inter = d.intermediate_size or int(c.get("intermediate_size") or 4 * H)
-    per_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter + cfg.vocab.draft_vocab_size * H
+    dv = cfg.vocab.size_for(int(c["vocab_size"]))
+    per_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter + dv * H
     return 6.0 * (num_aux * Ht * H + cfg.train.ttt_steps * per_step)
 
 
@@ -136,18 +148,6 @@ def choose_mode(cfg: RunConfig, tcfg: dict, num_aux: int, tokens: int, bytes_per
         mode, why = "offline", (f"extracting once and reading {human_bytes(store)} back ({offline:.3g} GPU-h) costs "
                                 f"less than the target's forward in each of {E:g} epochs ({online:.3g} GPU-h)")
     return ModeChoice(mode, why, online, offline, round(train_tps, 1), store, free_bytes)
-
-
-def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16",
-                                 aux_fp8: bool = False) -> int:
-    """Bytes one token takes in the store for ``num_aux`` aux states plus the last state (ids not counted).
-
-    bf16: ``(num_aux + 1) * H * 2``; ``aux_fp8``: ``num_aux * (H + 4) + H * bytes(dtype)`` (e4m3 values, one fp32
-    scale per token and layer, last state unquantised). Raises ``KeyError`` for an unknown dtype.
-    """
-    b = BYTES[dtype]
-    aux = num_aux * (hidden_size + 4) if aux_fp8 else num_aux * hidden_size * b
-    return aux + hidden_size * b
 
 
 def parameter_counts(target_cfg: dict) -> tuple[int, int]:
@@ -243,11 +243,13 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
          mfu: float = DEFAULT_MFU, peak_flops: float = H200_BF16_FLOPS) -> Plan:
     """Estimate tokens, store bytes and prefill GPU-hours of the run ``cfg`` (see the module docstring).
 
-    Raises :class:`ConfigError` when ``sample`` < 1 or no conversation of the sample can be rendered.
+    Raises :class:`ConfigError` when ``sample`` < 1, no conversation of the sample can be rendered, or the run
+    configures a drafter no engine would serve (as its first stage would).
     """
     if sample < 1:
         raise ConfigError(f"plan: sample must be >= 1, got {sample}")
     tcfg = read_target_config(cfg.target)
+    check_run_servable(cfg, tcfg)
     c = text_config(tcfg)
     fam = family_of(tcfg)
     N, H, V = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
@@ -275,13 +277,7 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         notes.append(f"generate.enabled: assistant turns counted at most {cfg.generate.max_new_tokens + 1} tokens")
     if skipped:
         notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
-    import shutil
-    from pathlib import Path
-
-    root = Path(cfg.run_dir).resolve()
-    while not root.exists() and root != root.parent:
-        root = root.parent
-    free = shutil.disk_usage(root).free if root.exists() else None
+    store, store_bytes, free, cheaper, warnings = _store_fit(cfg, H, L, counts, n_samples)
     store_kind = "fp8" if cfg.extract.aux_format == "float8_e4m3fn" else "bfloat16"
     mode = choose_mode(cfg, tcfg, L, dataset_tokens, per_tok[store_kind], prefill_tokens_per_s, peak_flops, free)
     return Plan(
@@ -296,8 +292,38 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         prefill_assumption=assumption,
         dataset_prefill_gpu_hours=round(dataset_tokens / prefill_tokens_per_s / 3600, 3),
         prefill_gpu_hours_per_100k_samples=round(per_100k_tokens / prefill_tokens_per_s / 3600, 3),
+        store_path=str(store), store_bytes=store_bytes, store_free_bytes=free, cheaper=cheaper, warnings=warnings,
         notes=notes,
     )
+
+
+def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int):
+    """``(store path, store bytes as configured, free bytes, cheaper choices, warnings)`` (module docstring)."""
+    store = Path(cfg.run_dir) / "extract" / "store"      # where the extract stage writes
+    x = cfg.extract
+
+    def size(dtype=x.dtype, aux_format=x.aux_format, max_length=None) -> int:
+        per_token = store_bytes_per_token(H, L, dtype, aux_format)
+        mean = sum(min(n, max_length or n) for n in counts) / len(counts)
+        return round(per_token * mean * n_samples)
+
+    store_bytes = 0 if cfg.train.mode == "online" else size()
+    _, free = disk_free(store)
+    cheaper: dict[str, int] = {}
+    if cfg.train.mode != "online":
+        if x.aux_format != "float8_e4m3fn":
+            cheaper["extract.aux_format: float8_e4m3fn"] = size(aux_format="float8_e4m3fn")
+        cheaper["train.mode: online (the target runs in the training job; nothing stored)"] = 0
+        longest = max(counts)
+        for cut in (cfg.tokenize.max_length // 2, cfg.tokenize.max_length // 4):
+            if 8 <= cut < longest:
+                cheaper[f"tokenize.max_length: {cut}"] = size(max_length=cut)
+    warnings = []
+    if store_bytes > free:
+        choices = "; ".join(f"{k}: {human_bytes(v)}" if v else k for k, v in cheaper.items())
+        warnings.append(f"the store needs {human_bytes(store_bytes)} but the disk holding {store} has "
+                        f"{human_bytes(free)} free: extract will refuse to start. Cheaper choices: {choices}")
+    return store, store_bytes, free, cheaper, warnings
 
 
 def human_bytes(n: float) -> str:

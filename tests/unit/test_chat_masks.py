@@ -511,3 +511,99 @@ def test_gemma3_system_folded_into_first_user_turn(family_tok):
                              "<start_of_turn>model\nParis is the capital.<end_of_turn>\n")
     assert render_prompt(t, CONVERSATION[:4]).endswith("And of Spain?<end_of_turn>\n<start_of_turn>model\n")
     assert R1 not in r.text and R2 not in r.text  # no reasoning rendering
+
+
+# ==============================================================================================================
+# Issue 12, kind 3: the trained tokens are those the target emits and the server renders.
+
+# Replies with their reasoning inline, the form Qwen3 emits and a server without a reasoning parser returns.
+_I1, _I2 = f"<think>\n{R1}\n</think>\n\n{A1}", f"<think>\n{R2}\n</think>\n\n{A2}"
+INLINE = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": Q1},
+    {"role": "assistant", "content": _I1},
+    {"role": "user", "content": Q2},
+    {"role": "assistant", "content": _I2},
+]
+# Qwen3 parses the tags itself: the earlier turn's reasoning is dropped, the last turn's kept (as served). Other
+# templates render the content as it is, tags included.
+EXPECTED_INLINE = {
+    "llama-3.1-8b-instruct": [f"{_I1}<|eot_id|>", f"{_I2}<|eot_id|>"],
+    "qwen2.5-7b-instruct": [f"{_I1}<|im_end|>", f"{_I2}<|im_end|>"],
+    "qwen3-8b": [f"{A1}<|im_end|>", f"{_I2}<|im_end|>"],
+    "qwen3-8b-nothink": [f"{A1}<|im_end|>", f"{_I2}<|im_end|>"],
+    "deepseek-v3": [f"{_I1}<｜end▁of▁sentence｜>", f"{_I2}<｜end▁of▁sentence｜>"],
+    "kimi-k2-instruct": [f"{_I1}<|im_end|>", f"{_I2}<|im_end|>"],
+    "gpt-oss-20b": [f"<|channel|>final<|message|>{_I1}<|end|>", f"<|channel|>final<|message|>{_I2}<|return|>"],
+    "smollm2-135m-instruct": [f"{_I1}<|im_end|>", f"{_I2}<|im_end|>"],
+    "gemma-3-270m-it": [f"{_I1}<end_of_turn>", f"{_I2}<end_of_turn>"],
+}
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=CASE_IDS)
+def test_inline_reasoning_replies_render_as_served(family_tok, name, kwargs):
+    t = family_tok(name)
+    r = render_conversation(t, INLINE, chat_template_kwargs=kwargs)
+    assert r.text == t.apply_chat_template(INLINE, tokenize=False, **(kwargs or {}))   # the served rendering
+    assert trained_runs(t, r) == EXPECTED_INLINE[name if not kwargs else f"{name}-nothink"]
+    assert r.reply_issues == ()
+    if name == "qwen3-8b":
+        assert R1 not in r.text and r.text.count("<think>") == 1
+        # identical to giving the reasoning as reasoning_content
+        assert r == render_conversation(t, CONVERSATION, chat_template_kwargs=kwargs)
+
+
+def test_qwen3_inline_reasoning_in_every_turn_of_several_conversations(family_tok):
+    # The report's case: 4 conversations of Qwen3's own replies, 3 of them multi-turn (all were skipped but one).
+    t = family_tok("qwen3-8b")
+    convs = [INLINE, INLINE[1:3], INLINE[1:] + [{"role": "user", "content": "Thanks."},
+                                                {"role": "assistant", "content": "<think>\nPolite.\n</think>\n\nYou are welcome."}],
+             [INLINE[1], {"role": "assistant", "content": "<think>\n\n</think>\n\nParis."}, *INLINE[3:]]]
+    for msgs in convs:
+        r = render_conversation(t, msgs)
+        runs = trained_runs(t, r)
+        assert len(runs) == sum(m["role"] == "assistant" for m in msgs) and all(x.endswith("<|im_end|>") for x in runs)
+        assert runs[-1].startswith("<think>\n") and all("<think>" not in x for x in runs[:-1])
+
+
+GEN_LATE_EOT = (  # the {% generation %} block closes before the end-of-turn token
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ m.content }}{% endgeneration %}{{ '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_end_of_turn_is_trained_when_the_generation_block_closes_before_it(tok):
+    t = tok.__class__.from_pretrained(tok.name_or_path)
+    t.chat_template = GEN_LATE_EOT
+    r = render_conversation(t, TWO_TURNS)
+    assert trained_runs(t, r) == ["Paris is the capital.<|im_end|>", "Madrid.<|im_end|>"]
+    assert [s.method for s in locate_assistant_spans(t, TWO_TURNS)[1]] == ["generation", "generation"]
+    # the same with whitespace between the block and the token, and with an empty reply
+    t.chat_template = GEN_LATE_EOT.replace("{{ '<|im_end|>\\n' }}", "{{ '\\n<|im_end|>\\n' }}")
+    msgs = TWO_TURNS[:3] + [{"role": "assistant", "content": ""}]
+    # (the empty reply's "\n" merges with the header's into one token, trained by the overlap rule)
+    assert trained_runs(t, render_conversation(t, msgs)) == ["Paris is the capital.\n<|im_end|>", "\n\n<|im_end|>"]
+
+
+def test_reply_holding_end_of_turn_text_is_reported(tok):
+    # A reply whose text holds "<|im_end|>" renders as the special token: the target stops there, so it never
+    # emitted this sequence (a fake user turn would be trained after it).
+    msgs = [TWO_TURNS[0], {"role": "assistant", "content": "Paris.<|im_end|>\n<|im_start|>user\nThanks!"}]
+    r = render_conversation(tok, msgs)
+    assert [(i.message_index, i.kind) for i in r.reply_issues] == [(1, "changed")]
+    assert "end-of-turn token text '<|im_end|>'" in r.reply_issues[0].reason
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=CASE_IDS)
+def test_reply_whitespace_changed_by_the_template_is_reported(family_tok, name, kwargs):
+    # LEADING: "\n\nHello there." (trimmed by Llama 3 / Gemma, merged with the header's newline by ChatML) and
+    # " Sure thing.". Only whitespace differs: reported, never counted as a rewritten reply.
+    t = family_tok(name)
+    r = render_conversation(t, LEADING, chat_template_kwargs=kwargs)
+    assert {i.kind for i in r.reply_issues} <= {"whitespace"}
+    flagged = {i.message_index for i in r.reply_issues}
+    trained = trained_runs(t, r)
+    assert (1 in flagged) == ("\n\nHello there." not in trained[0] or trained[0].startswith("\n\n\n"))
+    assert (3 in flagged) == (" Sure thing." not in trained[1])

@@ -77,8 +77,9 @@ def test_sglang_folder_without_top_level_ids_is_misread_by_vllm(tmp_path):
     assert not _errors(rep, "sglang") or all("vllm" in e.lower() for e in _errors(rep, "sglang"))
     msgs = _errors(rep, "vllm")
     assert any("one layer earlier" in e for e in msgs), rep.to_text()
-    # against the target alone (no record of the trained layers) vLLM's reading is the default shifted by one
-    assert any(f.level == "warning" and f.engine == "vllm" and "shifted by one" in f.message for f in rep.findings)
+    # against the target alone (no record of the trained layers) vLLM's reading is the default shifted by one: an
+    # error (issue 12: every trainer captures the default, so a one-layer shift is a mix-up, not a choice)
+    assert any(f.level == "error" and f.engine == "vllm" and "shifted by one" in f.message for f in rep.findings)
 
 
 def test_shifted_export_is_caught_with_the_manifest(tmp_path):
@@ -143,3 +144,92 @@ def test_vllm_reads_our_speculators_config_as_written(tmp_path):
     assert hf["architectures"] == ["Eagle3LlamaForCausalLM"] and hf["norm_before_residual"] is False
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7] and hf["draft_vocab_size"] == 13
     assert hf["target_hidden_size"] == 16 and hf["num_hidden_layers"] == 1
+
+
+# ---- issue 12, kind 4: what each engine loads, checked the way each engine reads it ----
+
+def _full_vocab_model():
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=23, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=4, target_hidden_size=16, vocab_size=99, draft_vocab_size=99)
+    m = Eagle3DraftModel(cfg)
+    m.t2d[:] = True
+    return m
+
+
+def test_full_vocabulary_draft_is_exported_without_d2t_and_checked_so(tmp_path):
+    # vLLM builds no d2t parameter when the draft vocabulary is the target's, and raises on one in the weights.
+    m = _full_vocab_model()
+    write_sglang(tmp_path / "sglang", m, TRAINED, "output_of_layer", TARGET)
+    write_vllm(tmp_path / "vllm", m, TRAINED, "output_of_layer", TARGET, verifier="t")
+    for fmt, engine in (("sglang", "both"), ("vllm", "vllm")):
+        assert "d2t" not in load_file(str(tmp_path / fmt / "model.safetensors"))
+        rep = check_folder(tmp_path / fmt, TARGET, TRAINED)
+        assert rep.ok_for(engine), rep.to_text()
+        m2, ids = load_draft_folder(tmp_path / fmt, m.embed_tokens.weight.detach())
+        assert ids == TRAINED and not m2.d2t.any()          # identity map
+    # the converse: a full-vocabulary folder that still carries d2t is refused for vLLM, not for SGLang
+    st = load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    st["d2t"] = torch.zeros(99, dtype=torch.int64)
+    save_file(st, str(tmp_path / "sglang" / "model.safetensors"))
+    rep = check_folder(tmp_path / "sglang", TARGET, TRAINED)
+    assert rep.ok_for("sglang") and not rep.ok_for("vllm")
+    assert any("vLLM builds no d2t parameter" in e for e in _errors(rep, "vllm")), rep.to_text()
+
+
+def test_every_field_the_engines_take_from_the_draft_is_compared_with_the_target(tmp_path):
+    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)     # max_position_embeddings 4096
+    assert check_folder(tmp_path, {**TARGET, "max_position_embeddings": 4096}, TRAINED).ok
+    rep = check_folder(tmp_path, {**TARGET, "max_position_embeddings": 8192, "vocab_size": 12,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, TRAINED)
+    text = rep.to_text()
+    assert any("max_position_embeddings 4096 is below the target's 8192" in e for e in _errors(rep, "sglang")), text
+    assert "draft_vocab_size 13 exceeds the target's vocabulary 12" in text
+    assert "rope_scaling None differs" in text
+
+
+def test_check_exit_status_follows_the_engines_asked(tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET))
+    write_vllm(tmp_path / "vllm", _model(), TRAINED, "output_of_layer", TARGET, verifier="t")
+    write_sglang(tmp_path / "sglang", _model(), TRAINED, "output_of_layer", TARGET)
+
+    def status(folder, *engine):
+        args = ["export", "--check", str(tmp_path / folder), "--target", str(tmp_path / "target"), *engine]
+        return CliRunner().invoke(app, args).exit_code
+
+    assert status("vllm") == 0                           # Eyas's own vLLM folder: checked for vLLM, passes
+    assert status("vllm", "--engine", "vllm") == 0
+    assert status("vllm", "--engine", "sglang") == 1     # SGLang does not load the speculators layout
+    assert status("vllm", "--engine", "both") == 1
+    assert status("sglang") == status("sglang", "--engine", "both") == status("sglang", "--engine", "sglang") == 0
+    assert status("sglang", "--engine", "lmdeploy") == 2
+
+
+def test_layer_fix_hint_does_not_move_both_engines_one_layer_late(tmp_path):
+    # A folder whose eagle_config holds the engines' default in hf_index ([2, 5, 7], vLLM's convention), and no
+    # top-level ids: vLLM reads them right, SGLang adds 1. The hint must move SGLang back, not vLLM forward.
+    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 5, 7]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rep = check_folder(tmp_path, TARGET)
+    hint = next(e for e in _errors(rep, "vllm") if "one layer earlier" in e)
+    assert "set eagle_config's ids to [1, 4, 6] and a top-level eagle_aux_hidden_state_layer_ids = [2, 5, 7]" in hint
+    # following the old hint (top-level = SGLang's reading [3, 6, 8]): both engines one layer late, refused
+    cfg["eagle_aux_hidden_state_layer_ids"] = [3, 6, 8]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rep = check_folder(tmp_path, TARGET)
+    assert not rep.ok_for("sglang") and not rep.ok_for("vllm")
+    assert all(any("shifted by one (+1)" in e for e in _errors(rep, eng)) for eng in ("sglang", "vllm")), rep.to_text()
+    # following the new hint: both engines capture the default, and the check passes
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 4, 6]
+    cfg["eagle_aux_hidden_state_layer_ids"] = [2, 5, 7]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rep = check_folder(tmp_path, TARGET)
+    assert rep.ok and rep.captured == {"sglang": [2, 5, 7], "vllm": [2, 5, 7]}, rep.to_text()

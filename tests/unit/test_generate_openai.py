@@ -27,9 +27,14 @@ def _completion(message: dict, finish_reason: str) -> ChatCompletion:
 
 
 def test_reply_keeps_reasoning_from_vllm_and_older_servers():
+    # Content and reasoning exactly as returned (issue 12, kind 3): whitespace is tokens the target emitted; the
+    # template decides what it renders of them (Qwen3 strips the newlines around its think block itself).
     new = _completion({"content": "\n\nThe answer is 4.", "reasoning": " 2 + 2 = 4 \n"}, "stop")
     r = reply_from_choice(new.choices[0])
-    assert (r.content, r.reasoning, r.finish_reason) == ("The answer is 4.", "2 + 2 = 4", "stop")
+    assert (r.content, r.reasoning, r.finish_reason) == ("\n\nThe answer is 4.", " 2 + 2 = 4 \n", "stop")
+    inline = _completion({"content": "<think>\nAdd.\n</think>\n\nFour. "}, "stop")   # no reasoning parser
+    assert (reply_from_choice(inline.choices[0]).content, reply_from_choice(inline.choices[0]).reasoning) == (
+        "<think>\nAdd.\n</think>\n\nFour. ", None)
     old = _completion({"content": "Four", "reasoning_content": "add them"}, "length")
     r = reply_from_choice(old.choices[0])
     assert (r.content, r.reasoning, r.finish_reason) == ("Four", "add them", "length")
@@ -60,3 +65,15 @@ def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp
         run_stage(ctx, "generate")
     assert [d for _, d in iter_jsonl(out)] == [first]
     assert not (ctx.stage_dir("generate") / "done.json").exists()
+
+
+def test_requests_keep_special_tokens_the_target_emits():
+    # vLLM's and SGLang's chat endpoints drop special tokens from the reply text unless asked not to.
+    from eyas.config import GenerateConfig
+    from eyas.generation.openai_chat import OpenAIChatGenerator
+
+    g = OpenAIChatGenerator(GenerateConfig(), {"enable_thinking": True})
+    body = g.request([{"role": "user", "content": "Hi"}], seed=None)["extra_body"]
+    assert body == {"skip_special_tokens": False, "chat_template_kwargs": {"enable_thinking": True}}
+    g = OpenAIChatGenerator(GenerateConfig(openai={"extra_body": {"skip_special_tokens": True, "top_k": 5}}))
+    assert g.request([{"role": "user", "content": "Hi"}])["extra_body"] == {"skip_special_tokens": True, "top_k": 5}

@@ -31,7 +31,26 @@ How spans are found (per assistant turn, first that works):
     messages in order, find each assistant content in the full rendering after the previous message, start the
     span right after the generation prompt when it sits just before the content (so gpt-oss's
     ``<|channel|>final<|message|>`` is trained as in (b)), and extend it to the end-of-turn token that follows.
-If none works, :class:`ChatTemplateError` says which sample, which turn and why.
+If none works, :class:`ChatTemplateError` says which sample, which turn and why. Whatever the method, a span ends
+with the turn's end-of-turn token: a ``{% generation %}`` block that closes before it (``{% endgeneration %}`` then
+``<|im_end|>``) is extended over it, so the drafter always learns to end a turn.
+
+Inline reasoning: a reply that carries its reasoning inside its content (``<think>...</think>answer``, the form
+Qwen3 and DeepSeek-R1 emit and servers without a reasoning parser return) is located as the template renders it.
+Templates that parse the tags themselves (Qwen3: earlier turns' reasoning dropped, the last turn's kept) render the
+message exactly as they render ``reasoning_content`` + answer; when that rendering is identical, the split form is
+used to place the spans; otherwise the content is taken verbatim.
+
+The reply check (:attr:`RenderedConversation.reply_issues`): the trained tokens must be the reply's own tokens. Each
+reply's text (its answer and, where the template renders it in the turn, its reasoning) must appear verbatim in the
+turn's span, and no token of the rendering may cross its start or end (a merge with the template's text around
+it). Then the render's tokens over the reply are the tokenization of the reply's text on its own (BPE merges and
+unigram segmentation never cross a boundary that no final token crosses), which is what "re-tokenizes to the same
+tokens inside the render" means for text. A reply that holds an end-of-turn token's text (the target stops there, so
+it cannot have emitted it mid-reply) or whose text the template rewrites is reported as ``changed``; a reply whose
+only difference is whitespace at its ends (Llama 3 and Gemma trim contents; ChatML merges a leading newline into the
+header's) is reported as ``whitespace``. Nothing is altered: the caller decides (tokenize skips ``changed`` samples
+and counts both kinds).
 
 Requires a fast (Rust) tokenizer: the mask uses its offset mapping.
 """
@@ -48,6 +67,7 @@ __all__ = [
     "ChatTemplateError",
     "RenderedConversation",
     "AssistantSpan",
+    "ReplyIssue",
     "locate_assistant_spans",
     "render_conversation",
     "render_prompt",
@@ -57,6 +77,8 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 # Names of special tokens that end a turn (matched case-insensitively against the token text).
 _EOT_NAME = re.compile(r"end|eot|eos|eom|return|stop|</s>", re.IGNORECASE)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Reasoning written inline in a reply's content: (open, close) tags, as Qwen3 / DeepSeek-R1 / Kimi emit them.
+_REASONING_TAGS = (("<think>", "</think>"),)
 
 
 class ChatTemplateError(DataError, ValueError):
@@ -64,6 +86,19 @@ class ChatTemplateError(DataError, ValueError):
 
     The message names the sample (when given), the message index of the assistant turn and the reason.
     """
+
+
+@dataclass(frozen=True)
+class ReplyIssue:
+    """A reply whose trained tokens are not its own text's tokens (see "The reply check" in the module doc).
+
+    ``kind``: ``"changed"`` (rewritten, dropped or merged with template text, or holding end-of-turn token text)
+    or ``"whitespace"`` (only whitespace at its ends differs); ``reason`` is stable across samples (for counting).
+    """
+
+    message_index: int
+    kind: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -75,12 +110,15 @@ class RenderedConversation:
         input_ids: ``tokenizer(text, add_special_tokens=False)`` ids, length T.
         loss_mask: length T, 0/1; 1 on tokens overlapping an assistant span (content + end-of-turn token).
         assistant_spans: character ``[start, end)`` spans of trained text in ``text``, one per assistant turn.
+        reply_issues: replies whose trained tokens are not their own text's tokens; empty when every reply
+            survives the template.
     """
 
     text: str
     input_ids: list[int]
     loss_mask: list[int]
     assistant_spans: list[tuple[int, int]]
+    reply_issues: tuple[ReplyIssue, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +183,28 @@ def _normalise(messages: Sequence[dict], template: str) -> list[dict]:
             m["thinking"] = m["reasoning_content"]
         out.append(m)
     return out
+
+
+def _split_inline_reasoning(messages: list[dict]) -> list[dict] | None:
+    """Messages with inline reasoning moved to ``reasoning_content``, or None when no reply has it.
+
+    For an assistant message without ``reasoning_content`` whose content holds a closing tag: the reasoning is the
+    text between the opening tag (or the start) and the first closing tag, ``"\\n"`` stripped at both ends; the
+    answer is the text after the last closing tag with leading ``"\\n"`` stripped (how Qwen3's template splits it).
+    """
+    out, changed = [], False
+    for m in messages:
+        content = m.get("content") or ""
+        if m["role"] == "assistant" and m.get("reasoning_content") is None:
+            for open_tag, close_tag in _REASONING_TAGS:
+                if close_tag in content:
+                    head = content.split(close_tag)[0]
+                    m = {**m, "reasoning_content": head.split(open_tag)[-1].strip("\n"),
+                         "content": content.split(close_tag)[-1].lstrip("\n")}
+                    changed = True
+                    break
+        out.append(m)
+    return out if changed else None
 
 
 def _render(tokenizer, messages, *, add_generation_prompt, kwargs, tools, sample_id, index=None) -> str:
@@ -222,7 +282,7 @@ def _generation_spans(tokenizer, messages, template, kwargs, tools, text, sample
         raise ChatTemplateError(f"{_where(sample_id)}: the chat template failed to render: {exc}") from exc
     if rendered[0] != text:
         return None
-    return [(int(s), int(e)) for s, e in indices[0] if e > s]
+    return [(int(s), int(e)) for s, e in indices[0] if e >= s]   # an empty reply's block is empty
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -243,29 +303,47 @@ def locate_assistant_spans(
     ``{% generation %}`` block for method (a)), in order, non-overlapping. Raises :class:`ChatTemplateError`
     when the template fails to render or a turn cannot be located.
     """
+    text, spans, _ = _locate(tokenizer, messages, chat_template_kwargs, tools, sample_id)
+    return text, spans
+
+
+def _locate(tokenizer, messages, chat_template_kwargs, tools, sample_id) -> tuple[str, list[AssistantSpan], list]:
+    """:func:`locate_assistant_spans`, plus the messages the spans were placed with (normalised: ``thinking`` for
+    harmony, inline reasoning split where the template renders it the same way)."""
     _check_messages(messages, sample_id)
     kwargs = dict(chat_template_kwargs or {})
     template = _template_of(tokenizer, tools)
     msgs = _normalise(messages, template)
     text = _render(tokenizer, msgs, add_generation_prompt=False, kwargs=kwargs, tools=tools, sample_id=sample_id)
+    split = _split_inline_reasoning(msgs)
+    if split is not None:
+        split = _normalise(split, template)
+        try:
+            same = _render(tokenizer, split, add_generation_prompt=False, kwargs=kwargs, tools=tools,
+                           sample_id=sample_id) == text
+        except ChatTemplateError:
+            same = False
+        if same:  # the template parses the tags itself: place spans with the parts it renders
+            msgs = split
     specials = _special_tokens(tokenizer)
     eots = _eot_tokens(tokenizer)
     assistant_idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not assistant_idx:
-        return text, []
+        return text, [], msgs
 
     # (a) {% generation %} markers
     if _GENERATION_TAG.search(template):
         gen = _generation_spans(tokenizer, msgs, template, kwargs, tools, text, sample_id)
-        if gen:
-            out = []
-            for k, (s, e) in enumerate(gen):
-                # Markers often enclose the newline after the end-of-turn token: cut it (else trailing whitespace).
-                cut = _cut_after_last_special(text[s:e], specials)
-                e2 = s + (cut if cut is not None else max(len(text[s:e].rstrip()), 1))
-                idx = assistant_idx[k] if len(gen) == len(assistant_idx) else -1
-                out.append(AssistantSpan(idx, s, e2, "generation"))
-            return text, out
+        out = []
+        for k, (s, e) in enumerate(gen or []):
+            e2 = _through_end_of_turn(text, s, e, specials, eots)
+            if e2 is None:  # no end-of-turn token after this block: use the other methods, which require one
+                out = []
+                break
+            idx = assistant_idx[k] if len(gen) == len(assistant_idx) else -1
+            out.append(AssistantSpan(idx, s, e2, "generation"))
+        if out:
+            return text, out, msgs
 
     spans: list[AssistantSpan] = []
     cursor = 0  # (c) searches after the previous message's located text
@@ -283,7 +361,28 @@ def locate_assistant_spans(
             method = "prefix"
         spans.append(AssistantSpan(i, span[0], span[1], method))
         cursor = span[1]
-    return text, spans
+    return text, spans, msgs
+
+
+def _through_end_of_turn(text: str, s: int, e: int, specials: Sequence[str], eots: Sequence[str]) -> int | None:
+    """End of a ``{% generation %}`` span ``[s, e)`` so that it ends with the turn's end-of-turn token.
+
+    Markers often enclose the newline after the end-of-turn token: cut after the block's last special token. A block
+    that closes before the end-of-turn token (``{% endgeneration %}<|im_end|>``) is extended over the whitespace and
+    the end-of-turn token that follow it: a server stops on that token, so the drafter must learn to emit it.
+    Returns None when the block neither ends with an end-of-turn token nor is followed by one.
+    """
+    block = text[s:e]
+    cut = _cut_after_last_special(block, specials)
+    end = s + (cut if cut is not None else len(block.rstrip()))
+    if any(text[s:end].endswith(t) for t in eots):
+        return end
+    rest = text[end:]
+    gap = len(rest) - len(rest.lstrip())
+    for tok in eots:
+        if rest[gap:].startswith(tok):
+            return end + gap + len(tok)
+    return None
 
 
 def _advance_past(text: str, content: str, cursor: int) -> int:
@@ -377,8 +476,14 @@ def _search_span(tokenizer, msgs, i, text, cursor, kwargs, tools, eots, sample_i
         p, tok = min(hits, key=lambda h: (h[0], -len(h[1])))
         return header_end, p + len(tok)
 
+    # Reasoning rendered in this turn comes before the answer, and may contain the answer's words: search after it.
+    reasoning = (msgs[i].get("reasoning_content") or msgs[i].get("thinking") or "").strip()
+    after = None
+    if reasoning:
+        rp = text.find(reasoning, header_end if header_end is not None else cursor, limit)
+        after = rp + len(reasoning) if rp >= 0 else None
     start = end = None
-    for origin in dict.fromkeys([header_end, cursor]):
+    for origin in dict.fromkeys([after, header_end, cursor]):
         if origin is None:
             continue
         for needle in needles:
@@ -396,7 +501,7 @@ def _search_span(tokenizer, msgs, i, text, cursor, kwargs, tools, eots, sample_i
         )
     if header_end is not None and header_end <= start:
         between = text[header_end:start]
-        if not any(m["content"].strip() and m["content"].strip() in between for m in msgs):
+        if not any(m["content"].strip() and m["content"].strip() in between for j, m in enumerate(msgs) if j != i):
             start = header_end
 
     # Extend to the end-of-turn token: optional whitespace, then an end-of-turn special token.
@@ -448,9 +553,7 @@ def render_conversation(
             f"{_where(sample_id)}: loss masks need a fast tokenizer (offset mapping); "
             f"{type(tokenizer).__name__} is not one"
         )
-    text, spans = locate_assistant_spans(
-        tokenizer, messages, chat_template_kwargs=chat_template_kwargs, tools=tools, sample_id=sample_id
-    )
+    text, spans, msgs = _locate(tokenizer, messages, chat_template_kwargs, tools, sample_id)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     offsets = enc["offset_mapping"]
@@ -464,7 +567,64 @@ def render_conversation(
     for sp in spans:
         if not any(mask[t] for t, (a, b) in enumerate(offsets) if a < sp.end and b > sp.start):
             raise ChatTemplateError(f"{_where(sample_id, sp.message_index)}: assistant span has no tokens")
-    return RenderedConversation(text=text, input_ids=ids, loss_mask=mask, assistant_spans=char_spans)
+    issues = tuple(_reply_issues(text, offsets, spans, msgs, _eot_tokens(tokenizer)))
+    return RenderedConversation(text=text, input_ids=ids, loss_mask=mask, assistant_spans=char_spans,
+                                reply_issues=issues)
+
+
+def _reply_issues(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict], eots: Sequence[str]):
+    """The reply check of the module docstring, per located assistant turn (turns of unknown index are skipped).
+
+    A token that crosses a reply's start or end is a whitespace issue when the reply's part of it is whitespace
+    (its leading newline merged with the header's), else the reply was changed (``ti`` + ``me`` read as ``time``).
+    """
+    toks = [(a, b) for a, b in offsets if b > a]
+
+    def crossing(pos: int) -> tuple[int, int] | None:
+        return next(((a, b) for a, b in toks if a < pos < b), None)
+
+    def merge_kind(start: int, piece: str) -> str | None:
+        """None when no token crosses ``piece`` at ``start`` (its position in ``text``), else the issue's kind."""
+        kinds = []
+        head, tail = crossing(start), crossing(start + len(piece))
+        if head:
+            kinds.append("whitespace" if not piece[: head[1] - start].strip() else "changed")
+        if tail:
+            kinds.append("whitespace" if not piece[tail[0] - start:].strip() else "changed")
+        return None if not kinds else ("changed" if "changed" in kinds else "whitespace")
+
+    for sp in spans:
+        if sp.message_index < 0:
+            continue
+        m = msgs[sp.message_index]
+        span = text[sp.start:sp.end]
+        # The answer is the turn's last text (rfind); reasoning, where the template renders it, comes first.
+        pieces = [("reply", m.get("content") or "", span.rfind)]
+        reasoning = m.get("reasoning_content") or m.get("thinking")
+        if reasoning and reasoning.strip() and reasoning.strip() in span:
+            pieces.append(("reasoning", reasoning, span.find))
+        for what, piece, find in pieces:
+            core = piece.strip()
+            if not core:
+                continue
+            held = next((t for t in eots if t in core), None)
+            if held is not None:
+                yield ReplyIssue(sp.message_index, "changed", f"{what} holds end-of-turn token text {held!r}")
+                continue
+            exact, inner = find(piece), find(core)
+            if inner < 0:
+                yield ReplyIssue(sp.message_index, "changed", f"{what} not rendered verbatim by the template")
+                continue
+            kind = merge_kind(sp.start + exact, piece) if exact >= 0 else merge_kind(sp.start + inner, core)
+            if kind == "changed":
+                yield ReplyIssue(sp.message_index, "changed", f"a token crosses the {what}'s text and the "
+                                                              f"template's around it")
+            elif exact < 0:
+                yield ReplyIssue(sp.message_index, "whitespace", f"{what}'s leading/trailing whitespace changed by "
+                                                                 f"the template")
+            elif kind == "whitespace":
+                yield ReplyIssue(sp.message_index, "whitespace", f"{what}'s leading/trailing whitespace merged into "
+                                                                 f"the template's tokens")
 
 
 def render_prompt(

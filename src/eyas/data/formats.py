@@ -3,6 +3,8 @@
 Formats (``SourceConfig.format``; ``auto`` detects per row from its fields):
 - ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``
 - ``openai``:   ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
+  (either field may hold either turn layout: ``{"from", "value"}`` or ``{"role", "content"}``, the latter's
+  content a string or a list of ``{"type": "text", "text": str}`` parts)
 - ``ultrachat``: ``{"messages": [...]}`` as openai, or ``{"data": [user, assistant, user, ...]}``
 - ``alpaca``:   ``{"instruction": str, "input": str, "output": str}`` (input appended to the instruction)
 - ``gsm8k``:    ``{"question": str, "answer": str}``
@@ -202,7 +204,32 @@ def _str_field(row: dict, key: str, required: bool = True) -> str:
     return v
 
 
-def _turn_list(row: dict, key: str, role_key: str, text_key: str) -> list[tuple[str, str]]:
+# The two turn layouts datasets use, whichever field holds the list (``conversations`` or ``messages``): ShareGPT's
+# ``{"from", "value"}`` and OpenAI's ``{"role", "content"}`` (many ShareGPT-style datasets on the Hub store OpenAI
+# turns under ``conversations``). A turn is read with the layout whose role field it has.
+TURN_LAYOUTS = (("from", "value"), ("role", "content"))
+
+
+def _text_of(value, where: str) -> str:
+    """A turn's text: a string, or OpenAI content parts ``[{"type": "text", "text": ...}, ...]`` joined in order.
+
+    Raises :class:`RowError` for anything else (a non-text part: this toolkit trains on text)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        kinds = {p.get("type") for p in value}
+        if kinds <= {"text"}:
+            texts = [p.get("text") for p in value]
+            if all(isinstance(x, str) for x in texts):
+                return "".join(texts)
+        raise RowError(f"{where} holds content parts of types {sorted(map(str, kinds))}; only 'text' parts are read",
+                       where)
+    raise RowError(f"{where} is {type(value).__name__}, expected a string", where)
+
+
+def _turn_list(row: dict, key: str) -> list[tuple[str, str]]:
     turns = row.get(key)
     if not isinstance(turns, list):
         raise RowError(f"field '{key}' is {'missing' if turns is None else type(turns).__name__}, expected a list", key)
@@ -210,14 +237,12 @@ def _turn_list(row: dict, key: str, role_key: str, text_key: str) -> list[tuple[
     for j, t in enumerate(turns):
         if not isinstance(t, dict):
             raise RowError(f"{key}[{j}] is {type(t).__name__}, expected an object", f"{key}[{j}]")
+        role_key, text_key = next(((r, x) for r, x in TURN_LAYOUTS if r in t), TURN_LAYOUTS[key == "messages"])
         role = t.get(role_key)
-        text = t.get(text_key)
         if not isinstance(role, str):
-            raise RowError(f"{key}[{j}].{role_key} missing or not a string", f"{key}[{j}].{role_key}")
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise RowError(f"{key}[{j}].{text_key} is {type(text).__name__}, expected a string", f"{key}[{j}].{text_key}")
+            raise RowError(f"{key}[{j}] has no string '{role_key}' (a turn is {{\"from\", \"value\"}} or "
+                           f"{{\"role\", \"content\"}})", f"{key}[{j}].{role_key}")
+        text = _text_of(t.get(text_key), f"{key}[{j}].{text_key}")
         norm = ROLE_MAP.get(role.strip().lower())
         if norm is None:
             raise RowError(f"unknown role '{role}'", f"{key}[{j}].{role_key}")
@@ -237,12 +262,12 @@ def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
     if not isinstance(row, dict):
         raise RowError(f"row is {type(row).__name__}, expected an object")
     if fmt == "sharegpt":
-        return _turn_list(row, "conversations", "from", "value")
+        return _turn_list(row, "conversations")
     if fmt == "openai":
-        return _turn_list(row, "messages", "role", "content")
+        return _turn_list(row, "messages")
     if fmt == "ultrachat":
         if "messages" in row:
-            return _turn_list(row, "messages", "role", "content")
+            return _turn_list(row, "messages")
         data = row.get("data")
         if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
             raise RowError("field 'data' must be a list of strings", "data")
@@ -331,7 +356,9 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
         try:
             if fmt is None:
                 keys = sorted(raw.data) if isinstance(raw.data, dict) else type(raw.data).__name__
-                raise RowError(f"cannot tell the format from the row's fields ({keys}); set format in the source")
+                # One reason for every such row (counted together); the row's own fields go to the record's field.
+                raise RowError("cannot tell the format from the row's fields; set format in the source",
+                               f"fields {keys}" if isinstance(raw.data, dict) else "")
             turns = row_to_turns(raw.data, fmt)
         except RowError as e:
             skip_row(SkipRecord(raw.where, e.reason, e.field))

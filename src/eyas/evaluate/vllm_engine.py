@@ -37,13 +37,15 @@ METRICS = {
 def run_vllm(target_dir: Path, draft_dir: Path | None, sets: dict[str, list[list[str]]], *,
              num_speculative_tokens: int, max_new_tokens: int, eos_ids: list[int], dtype: str = "float32",
              temperature: float = 0.0, seed: int = 0, chat_template_kwargs: dict | None = None,
-             max_model_len: int = 2048, timeout_s: float = 1800, method: str = "eagle3") -> dict:
+             max_model_len: int | None = None, timeout_s: float = 1800, method: str = "eagle3") -> dict:
     """Serve ``target_dir`` in vLLM with speculative ``method`` and decode every set: ``eagle3`` with the draft
     folder ``draft_dir``, or ``ngram`` (prompt lookup, n-grams of 2 to 4 tokens; no draft folder), the baseline.
 
     Args:
         sets: set name -> conversations, each a list of user turns (decoded in order).
         dtype: the engine's dtype (``float32`` on CPU matches the reference decoder; ``bfloat16`` as served on GPU).
+        max_model_len: the context vLLM serves; None: the target's own (``max_position_embeddings``, as vLLM
+            derives it).
     Returns ``{set: {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length",
     "acceptance_rate_per_position", "generated", "requests", "tokens_per_target_forward", "outputs": [[token ids
     per turn] per conversation], "seconds"}}``. ``acceptance_length`` is vLLM's own (steps with a draft only);
@@ -97,7 +99,7 @@ def _serve(req: dict) -> dict:
 
     tok = AutoTokenizer.from_pretrained(req["target"])
     llm = LLM(model=req["target"], tokenizer=req["target"], dtype=req["dtype"], enforce_eager=True,
-              max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,
+              max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,  # None: the target's
               enable_prefix_caching=False,
               speculative_config=(
                   {"method": "eagle3", "model": req["draft"], "num_speculative_tokens": req["k"]}

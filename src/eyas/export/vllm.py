@@ -101,6 +101,8 @@ def write_vllm(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], con
     """Write the speculators folder; raises :class:`EyasError` (and writes nothing) when the key check fails."""
     state = {}
     for k, v in model.trainable_state_dict().items():
+        if k not in sglang_keys(model.config):
+            continue   # d2t of a full-vocabulary draft: vLLM has no parameter for it
         v = v.detach().cpu()
         state[to_vllm_name(k)] = v.to(dtype) if v.is_floating_point() else v
     problems = check_vllm_keys(state, model.config)

@@ -12,9 +12,13 @@ Contract
 - Sampling: ``temperature``, ``top_p``, ``max_tokens = generate.max_new_tokens``; with temperature > 0 each request
   carries a seed derived from ``generate.seed``, the sample id and the turn, so a re-run asks the same question the
   same way (vLLM honours per-request seeds).
-- A reply's ``content`` is kept, stripped of surrounding whitespace like the in-process backend; its reasoning text
-  (vLLM >= 0.10 ``message.reasoning``, older vLLM and SGLang ``message.reasoning_content``; present only when the
-  server runs a reasoning parser) is kept as :attr:`eyas.records.Message.reasoning_content`.
+- A reply's ``content`` is kept exactly as the server returns it (no stripping: a reply's leading or trailing
+  whitespace is tokens the target emitted); its reasoning text (vLLM >= 0.10 ``message.reasoning``, older vLLM and
+  SGLang ``message.reasoning_content``; present only when the server runs a reasoning parser) is kept, as returned,
+  as :attr:`eyas.records.Message.reasoning_content`; without a parser the reasoning stays inline in the content
+  (``<think>...</think>``), which tokenize renders as the target's template does. Every request asks for
+  ``skip_special_tokens: false`` (vLLM's and SGLang's default is true, which deletes special tokens the target
+  emits inside a reply, such as a tool-call marker); ``openai.extra_body`` can override it.
 - Bounded concurrency: at most ``openai.concurrency`` conversations are in flight; turns of one conversation are
   sequential (each needs the previous reply).
 - Retries and time-outs come from the ``openai`` client itself: ``max_retries`` retries of connection errors,
@@ -125,6 +129,17 @@ class OpenAIChatGenerator:
             return None
         return int(stable_hash([self.gen.seed, sample_id, turn], n=8), 16) & 0x7FFFFFFF
 
+    def request(self, messages: list[dict], seed: int | None = None) -> dict:
+        """The keyword arguments of one chat-completion request (see the module docstring)."""
+        extra = {"skip_special_tokens": False, **self.srv.extra_body}
+        if self.chat_template_kwargs:
+            extra["chat_template_kwargs"] = {**self.chat_template_kwargs, **extra.get("chat_template_kwargs", {})}
+        kwargs = dict(model=self.model, messages=messages, temperature=self.gen.temperature,
+                      top_p=self.gen.top_p, max_tokens=self.gen.max_new_tokens, n=1, extra_body=extra)
+        if seed is not None:
+            kwargs["seed"] = seed
+        return kwargs
+
     async def reply(self, messages: list[dict], seed: int | None = None) -> ChatReply:
         """Ask the server for the next assistant turn after ``messages`` (OpenAI chat format).
 
@@ -133,17 +148,8 @@ class OpenAIChatGenerator:
         """
         import openai
 
-        extra = dict(self.srv.extra_body)
-        if self.chat_template_kwargs:
-            extra["chat_template_kwargs"] = {**self.chat_template_kwargs, **extra.get("chat_template_kwargs", {})}
-        kwargs = dict(model=self.model, messages=messages, temperature=self.gen.temperature,
-                      top_p=self.gen.top_p, max_tokens=self.gen.max_new_tokens, n=1)
-        if seed is not None:
-            kwargs["seed"] = seed
-        if extra:
-            kwargs["extra_body"] = extra
         try:
-            resp = await self.client.chat.completions.create(**kwargs)
+            resp = await self.client.chat.completions.create(**self.request(messages, seed))
         except openai.BadRequestError:
             raise
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
@@ -199,14 +205,15 @@ def reply_from_choice(choice) -> ChatReply:
 
     The reasoning text is vLLM's ``message.reasoning`` (vLLM >= 0.10; vllm/entrypoints/openai/chat_completion/
     protocol.py ``ChatMessage``) or ``message.reasoning_content`` (older vLLM, SGLang, DeepSeek's API): fields the
-    ``openai`` client keeps in ``model_extra``. Surrounding whitespace is stripped; an empty one becomes ``None``.
+    ``openai`` client keeps in ``model_extra``. Both are kept as returned (whitespace included); an absent or empty
+    reasoning is ``None``.
     """
     msg = choice.message
     extra = msg.model_extra or {}
     reasoning = extra.get("reasoning") or extra.get("reasoning_content")
     return ChatReply(
-        content=(msg.content or "").strip(),
-        reasoning=reasoning.strip() if isinstance(reasoning, str) and reasoning.strip() else None,
+        content=msg.content or "",
+        reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
         finish_reason="length" if choice.finish_reason == "length" else "stop",
     )
 

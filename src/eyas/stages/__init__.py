@@ -45,6 +45,7 @@ _DEPENDS = {
 # Dotted names reach into nested sections (the server address and how hard to push it do not change replies).
 _NEUTRAL = {
     "target": {"device", "cache_dir"}, "train": {"device", "log_every", "loader_workers"},
+    "extract": {"ignore_disk_space"},
     "generate": {"openai.base_url", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
                  "openai.max_retries"},
 }

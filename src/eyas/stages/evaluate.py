@@ -26,7 +26,8 @@ from ..evaluate.decoder import (SpecConfig, estimated_speedup, lookup_generate, 
 from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
-from ..targets.load import load_target, load_target_head, materialize_target
+from ..families import check_run_servable, text_config
+from ..targets.load import load_target, load_target_head, materialize_target, read_target_config
 from . import RunContext
 
 
@@ -178,13 +179,16 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     cfg = ctx.cfg.evaluate
     if cfg.topk != 1:
         raise ConfigError("evaluate.engine=vllm drafts chains only: set evaluate.topk=1")
+    tcfg = read_target_config(ctx.cfg.target)
+    check_run_servable(ctx.cfg, tcfg, ctx.log)          # a family vLLM does not serve is refused before it starts
     tok = load_tokenizer(ctx.cfg.target)
     tdir = materialize_target(ctx.cfg.target)
     eos = GenerationConfig.from_pretrained(tdir).eos_token_id if (tdir / "generation_config.json").exists() else None
     eos_ids = sorted({*(eos if isinstance(eos, list) else [eos]), tok.eos_token_id} - {None})   # as model_eos_ids
     common = dict(num_speculative_tokens=cfg.num_draft_tokens, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                   dtype=ctx.cfg.target.dtype, temperature=cfg.temperature, seed=cfg.seed,
-                  chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+                  chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs,
+                  max_model_len=target_context(tcfg))
     texts = {n: [t for _, t in convs] for n, convs in sets.items()}
     res = run_vllm(tdir, folder, texts, **common)
     base = run_vllm(tdir, None, texts, method="ngram", **common) if cfg.baseline else {}
@@ -203,6 +207,12 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
             if cfg.temperature == 0:
                 out[n]["same_output_as_ngram"] = base[n]["outputs"] == r["outputs"]
     return out
+
+
+def target_context(target_cfg: dict) -> int:
+    """The context vLLM is asked to serve: the target's own ``max_position_embeddings`` (vLLM refuses a
+    ``max_model_len`` above it, so a fixed 2,048 refused stories260K's 512)."""
+    return int(text_config(target_cfg).get("max_position_embeddings") or 2048)
 
 
 def model_eos_ids(target, tok) -> set[int]:

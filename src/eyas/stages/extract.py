@@ -6,6 +6,10 @@ reaches the writer, so nothing else (warm-up, health checks, another run's sampl
 sample is validated before commit (row count equals token count, width equals layers x H, dtype, finite) and
 shards are committed atomically (:mod:`eyas.store.shards`).
 
+Before anything is written, extract states the bytes it will write (the samples the store lacks, at the store's
+bytes per token) and refuses to start when the disk holding the store has less free space
+(``extract.ignore_disk_space: true`` overrides; :mod:`eyas.store.space`).
+
 Batches are planned once from the whole dataset (:func:`plan_batches`); a re-run (after a crash, or
 ``eyas doctor --repair``) recomputes only the planned batches that hold a missing sample and stores only the missing
 samples, so a resumed store is bit-identical to an uninterrupted one on the same machine.
@@ -26,24 +30,26 @@ import torch
 from tqdm import tqdm
 
 from ..capture import engine_info, make_backend
-from ..errors import ConfigError, StoreError
-from ..families import STORE_CONVENTION, check_layer_ids, default_aux_layer_ids, text_config
+from ..errors import ConfigError, DataError, StoreError
+from ..families import STORE_CONVENTION, check_run_servable, default_aux_layer_ids, text_config
 from ..io import read_json, sha256_bytes, sha256_file
 from ..records import TokenizedSample
 from ..store import HiddenStateStore, StoreHeader
 from ..store.pipeline import BackgroundWriter
 from ..store.shards import read_safetensors_header
+from ..store.space import check_disk_space, store_bytes_per_token
 from ..targets.load import materialize_target, read_target_config, resolve_device
 from . import RunContext
 from .tokenize import load_samples
 
 
 def aux_layer_ids(ctx: RunContext) -> list[int]:
-    """The configured aux layer ids, or the default ``[1, N//2-1, N-4]`` (``output_of_layer``)."""
+    """The configured aux layer ids, or the default ``[1, N//2-1, N-4]`` (``output_of_layer``). Raises
+    :class:`ConfigError` when the engines of ``export.formats`` could not serve a drafter on them."""
     tcfg = read_target_config(ctx.cfg.target)
     n = int(text_config(tcfg)["num_hidden_layers"])
     ids = ctx.cfg.extract.layer_ids or default_aux_layer_ids(n, tcfg)  # the family's engine default
-    check_layer_ids(ids, n)
+    check_run_servable(ctx.cfg, tcfg)
     return ids
 
 
@@ -144,7 +150,11 @@ def run(ctx: RunContext) -> dict:
             raise ConfigError("extract.device_map: spreading one target over all GPUs cannot be combined with "
                               "torchrun data parallelism; use one or the other")
         samples = load_samples(ctx)
+        if not samples:
+            raise DataError(f"extract: {ctx.stage_dir('tokenize') / 'samples.jsonl'} holds no sample; rerun "
+                            f"tokenize with --force")
         header = expected_header(ctx)
+        check_store_space(ctx, header, samples)   # every rank, before any writes: they all stop alike
         if dist.rank == 0:  # cleans orphans and temporaries: nobody else may be writing yet
             store = HiddenStateStore.create_or_open(store_path(ctx), header)
             resumed = store.validate_for_resume()
@@ -169,6 +179,31 @@ def run(ctx: RunContext) -> dict:
             "layer_convention": header.layer_convention, "dtype": cfg.dtype, "aux_format": cfg.aux_format,
             "store_bytes": total_bytes, "bytes_per_token": round(total_bytes / max(total_tokens, 1), 1),
             "tokens_per_s": stats.get("tokens_per_s"), "ranks": dist.world}
+
+
+def check_store_space(ctx: RunContext, header: StoreHeader, samples: list[TokenizedSample]) -> int:
+    """State the bytes extract will write (the samples the store lacks, at the store's bytes per token, plus one
+    shard in flight per process) and refuse to start when the store's disk has less free space, unless
+    ``extract.ignore_disk_space``. Returns the bytes it will write."""
+    cfg = ctx.cfg.extract
+    path = store_path(ctx)
+    stored: set[str] = set()
+    if (path / "store.json").exists():
+        try:
+            stored = set(HiddenStateStore.open(path).ids())
+        except StoreError:
+            stored = set()   # an unreadable or foreign store is refused by create_or_open, with its reason
+    todo = [s for s in samples if s.id not in stored]
+    tokens = sum(s.num_tokens for s in todo)
+    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    need = tokens * per_token + (cfg.shard_bytes * world if todo else 0)
+    from ..plan import human_bytes
+
+    ctx.log(f"[eyas] extract: will write {human_bytes(need)} ({len(todo)} samples, {tokens:,} tokens x {per_token:,} "
+            f"bytes/token, plus one shard in flight per process) to {path}")
+    check_disk_space(need, path, ignore=cfg.ignore_disk_space, what="extract", log=ctx.log)
+    return need
 
 
 def extract_missing(ctx: RunContext, store: HiddenStateStore, samples: list[TokenizedSample], dist=None) -> dict:

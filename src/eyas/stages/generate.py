@@ -14,7 +14,8 @@ order, so an interrupted run (kill, server gone) resumes from the ids already wr
 Conversations the server refuses (too long for its context) are counted in ``generate/report.json``.
 
 With ``generate.enabled: false`` the dataset's own assistant turns are kept (conversations without one are
-skipped and counted).
+skipped and counted). An empty input, or an output with no conversation, stops the stage with a :class:`DataError`
+that says why (nothing reaches tokenize, vocab and train to fail there).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..data.chat import render_prompt
+from ..errors import DataError
 from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
 from ..generation.inprocess import TurnScheduler, make_engine
 from ..records import Conversation, SkipCounter, SkipRecord
@@ -40,6 +42,9 @@ def run(ctx: RunContext) -> dict:
     out_dir = ctx.stage_dir("generate")
     out_path = out_dir / "conversations.jsonl"
     convs = _load(ctx, "prepare")
+    if not convs:
+        raise DataError(f"generate: {ctx.stage_dir('prepare') / 'conversations.jsonl'} holds no conversation; "
+                        f"rerun `eyas prepare CONFIG --force` (it names each source and what it yielded)")
     skips = SkipCounter()
     if not cfg.enabled:
         kept = 0
@@ -52,6 +57,10 @@ def run(ctx: RunContext) -> dict:
                 w.append(c.to_json())
                 kept += 1
         write_json_atomic(out_dir / "report.json", {"samples": kept, "skips": skips.to_json()})
+        if kept == 0:
+            raise DataError(f"generate: none of the {len(convs)} prepared conversations has an assistant turn, and "
+                            f"generate.enabled is false: nothing to train on (set generate.enabled: true to have the "
+                            f"target write the replies)")
         return {"samples": kept, "regenerated": False, "skipped": skips.total}
 
     if out_path.exists():
@@ -148,4 +157,8 @@ def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list
     if skips.total:
         ctx.log(f"[eyas] generate: {skips.total} conversations refused or cut by the server; reasons in "
                 f"{ctx.stage_dir('generate') / 'report.json'}")
+    if total == 0:
+        reasons = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
+        raise DataError(f"generate: the server answered none of the {len(convs)} conversations "
+                        f"({reasons or 'no reason given'}); details in {ctx.stage_dir('generate') / 'report.json'}")
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"], "skipped": skips.total}

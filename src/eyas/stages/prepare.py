@@ -7,7 +7,9 @@ The report, per source: ``rows_read == rows_kept + rows_skipped`` (duplicates of
 ``prepare.max_samples`` count as skipped, each with its reason in ``skipped_by_reason``), turns written by role,
 turn-level changes (empty turns dropped, same-role turns merged, leading assistant turns dropped) and token-length
 statistics; ``totals`` sums the sources and ``totals.rows_kept == samples``. Examples of every skip and change
-name their file:line (or ``file:row N``) and field under ``skips``.
+name their file:line (or ``file:row N``) and field under ``skips``. A source that yields no conversation is listed
+under ``empty_sources`` and warned about; when no source yields one, the stage fails (:class:`DataError`) with each
+source's counts and skip reasons, instead of handing nothing to the stages after it.
 
 Token lengths are counted here, with the target's own tokenizer (it loads in about a second; a GGUF target is
 converted once, as generate needs it anyway): per conversation, the tokens of its turns' texts without the chat
@@ -20,9 +22,11 @@ from __future__ import annotations
 import math
 
 from ..data.formats import load_source
+from ..errors import DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
-from ..targets.load import load_tokenizer
+from ..families import check_run_servable
+from ..targets.load import load_tokenizer, read_target_config
 from . import RunContext
 
 DUPLICATE = "duplicate conversation (same sample id)"
@@ -35,6 +39,8 @@ def run(ctx: RunContext) -> dict:
     out = out_dir / "conversations.jsonl"
     out.unlink(missing_ok=True)  # prepare is cheap and deterministic: always rebuilt whole
     tok = load_tokenizer(ctx.cfg.target)
+    # The first stage that knows the target refuses a drafter no engine would serve (layers, vocabulary, formats).
+    check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
     skips = SkipCounter()
     seen: set[str] = set()
     per_source = []
@@ -89,12 +95,29 @@ def run(ctx: RunContext) -> dict:
         "sources": per_source,
         "skips": skips.to_json(),
     }
+    empty = [s for s in per_source if s["rows_kept"] == 0]
+    report["empty_sources"] = [s["path"] for s in empty]
     write_json_atomic(out_dir / "report.json", report)
     if skips.total:
         top = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
         ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {out_dir / 'report.json'}")
+    if kept == 0:
+        raise DataError("prepare: no conversation to train on; every source yielded nothing:\n"
+                        + "\n".join(f"  {source_counts(s)}" for s in per_source)
+                        + f"\n(details in {out_dir / 'report.json'}; set each source's format if it was not detected)")
+    for s in empty:
+        ctx.log(f"[eyas] prepare: warning: source yielded no conversation: {source_counts(s)}")
     return {"samples": kept, "duplicates": duplicates, "skipped": totals["rows_skipped"],
             "tokens": sum(all_lengths)}
+
+
+def source_counts(s: dict) -> str:
+    """One source's line of the report: path, rows read, kept, skipped, and the skip reasons with their counts."""
+    if s["rows_read"] == 0:
+        return f"{s['path']}: 0 rows read (empty file or split)"
+    reasons = ", ".join(f"{n} x {r}" for r, n in sorted(s["skipped_by_reason"].items(), key=lambda x: -x[1]))
+    return (f"{s['path']}: {s['rows_read']} rows read, {s['rows_kept']} kept, {s['rows_skipped']} skipped"
+            + (f" ({reasons})" if reasons else ""))
 
 
 def _skip_kept_row(stats: dict, skips: SkipCounter, rec: SkipRecord) -> None:

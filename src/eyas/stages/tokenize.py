@@ -3,6 +3,11 @@
 Writes ``tokenize/samples.jsonl`` (:class:`~eyas.records.TokenizedSample` per line) and ``tokenize/meta.json``
 (tokenizer identity, chat-template hash, token counts, truncations and skips). The mask is computed by
 :func:`eyas.data.chat.render_conversation` from the exact rendering a server would tokenize.
+
+Each reply must re-tokenize to its own tokens inside the rendering (the reply check of :mod:`eyas.data.chat`): a
+conversation with a reply the template changes (rewritten, merged with the template's text, holding an end-of-turn
+token's text) is skipped and counted with the reason; replies whose only change is leading/trailing whitespace are
+kept and counted under ``reply_whitespace_changed``. Nothing is altered silently.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from ..data.chat import ChatTemplateError, render_conversation
+from ..errors import DataError
 from ..io import JsonlAppender, iter_jsonl, sha256_bytes, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord, TokenizedSample
 from ..targets.load import load_tokenizer, materialize_target
@@ -32,8 +38,12 @@ def run(ctx: RunContext) -> dict:
     out = out_dir / "samples.jsonl"
     out.unlink(missing_ok=True)
     tok = load_tokenizer(ctx.cfg.target)
-    convs = [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir("generate") / "conversations.jsonl")]
+    src = ctx.stage_dir("generate") / "conversations.jsonl"
+    convs = [Conversation.from_json(d) for _, d in iter_jsonl(src)]
+    if not convs:
+        raise DataError(f"tokenize: {src} holds no conversation; rerun generate (and prepare) with --force")
     skips = SkipCounter()
+    whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
     n = tokens = trained = truncated = 0
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
@@ -46,6 +56,13 @@ def run(ctx: RunContext) -> dict:
             except ChatTemplateError as e:
                 skips.add(SkipRecord(c.source or c.id, f"chat template: {e}"))
                 continue
+            changed = [i for i in r.reply_issues if i.kind == "changed"]
+            if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
+                skips.add(SkipRecord(c.source or c.id, f"reply changed by the chat template: {changed[0].reason}",
+                                     f"messages[{changed[0].message_index}]"))
+                continue
+            for i in r.reply_issues:
+                whitespace.add(SkipRecord(c.source or c.id, i.reason, f"messages[{i.message_index}]"))
             ids, mask = r.input_ids, r.loss_mask
             if len(ids) > cfg.max_length:
                 ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
@@ -61,13 +78,20 @@ def run(ctx: RunContext) -> dict:
         "samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
         "max_length": cfg.max_length, "chat_template_kwargs": cfg.chat_template_kwargs,
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
-        "skips": skips.to_json(),
+        "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
     }
     write_json_atomic(out_dir / "meta.json", meta)
     if skips.total:
         ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {out_dir / 'meta.json'}")
+    if whitespace.total:
+        ctx.log(f"[eyas] tokenize: {whitespace.total} replies kept whose leading/trailing whitespace the chat "
+                f"template changed; listed in {out_dir / 'meta.json'} (reply_whitespace_changed)")
+    if n == 0:
+        reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
+        raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
+                        f"{reasons}\n(examples in {out_dir / 'meta.json'})")
     return {"samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
-            "skipped": skips.total}
+            "skipped": skips.total, "replies_whitespace_changed": whitespace.total}
 
 
 def load_samples(ctx: RunContext) -> list[TokenizedSample]:

@@ -106,6 +106,9 @@ def run(ctx: RunContext) -> dict:
         model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
     train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
     train_set, held_out = _Subset(dataset, train_idx), (_Subset(dataset, held_idx) if held_idx else None)
+    if not len(train_set):  # the loop divides by the batches of an epoch
+        raise EyasError(f"train: no training sample ({len(samples)} tokenized, {len(held_idx)} held out); the "
+                        f"stages before it produced nothing to train on")
     device = resolve_device(cfg.device)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "

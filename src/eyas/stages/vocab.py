@@ -1,10 +1,14 @@
 """vocab: the draft vocabulary and its maps, made once per run and never recomputed (SpecForge issue 300).
 
 The draft vocabulary is the ``draft_vocab_size`` most frequent target tokens among the assistant (loss-masked)
-tokens of the training data, sorted ascending by target id (FIELD_NOTES); with ``vocab.coverage`` its size is the
-smallest multiple of 64 whose most frequent ids cover that share of the assistant tokens (at most
-``draft_vocab_size``), measured on this run's data; ``vocab.json`` records the coverage at common sizes. When the data has fewer distinct
-assistant tokens, the rest is filled with the most frequent other tokens, then the lowest unused ids.
+tokens of the training data, sorted ascending by target id (FIELD_NOTES). When the data has fewer distinct
+assistant tokens, the rest is filled with the most frequent other tokens, then the lowest unused ids. Unset, the
+size is 32,000, or the target's whole vocabulary when that is smaller (a full-vocabulary draft: its export carries
+no d2t, since vLLM has no parameter for one then). A size above the target's vocabulary is refused when the run
+starts (:func:`eyas.families.check_run_servable`). A dataset without assistant tokens stops the stage.
+With ``vocab.coverage`` the size is the smallest multiple of 64 whose most frequent ids cover that share of the
+assistant tokens (at most the size above), measured on this run's data; ``vocab.json`` records the coverage at
+common sizes.
 
 Writes ``vocab/vocab.safetensors``:
 - ``d2t`` int64 [draft_vocab]: ``d2t[i] = draft_to_target_id[i] - i`` (offsets, as SGLang and vLLM read them);
@@ -20,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import ConfigError, StoreError
+from ..errors import ConfigError, DataError, StoreError
+from ..families import check_run_servable, text_config
 from ..io import atomic_path, write_json_atomic
 from ..targets.load import read_target_config
 from . import RunContext
@@ -90,16 +95,25 @@ def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.vocab
-    target_vocab = int(read_target_config(ctx.cfg.target)["vocab_size"])
+    tcfg = read_target_config(ctx.cfg.target)
+    check_run_servable(ctx.cfg, tcfg, ctx.log)
+    target_vocab = int(text_config(tcfg)["vocab_size"])
     a_counts, o_counts = Counter(), Counter()
-    for s in load_samples(ctx):
+    samples = load_samples(ctx)
+    for s in samples:
         for t, m in zip(s.input_ids, s.loss_mask):
             (a_counts if m else o_counts)[t] += 1
-    size = cfg.draft_vocab_size
+    if not a_counts:
+        # A vocabulary of filler ids would train a drafter on nothing; stop here, where the cause is visible.
+        raise DataError(f"vocab: the tokenized dataset ({len(samples)} samples in "
+                        f"{ctx.stage_dir('tokenize') / 'samples.jsonl'}) has no assistant (trained) token; rerun "
+                        f"tokenize with --force")
+    size = cfg.size_for(target_vocab)
     if cfg.coverage is not None:
-        size = size_for_coverage(a_counts, cfg.coverage, min(size, target_vocab))
+        cap = size
+        size = size_for_coverage(a_counts, cfg.coverage, min(cap, target_vocab))
         ctx.log(f"[eyas] vocab: {size} draft ids cover {cfg.coverage:.2%} of the assistant tokens "
-                f"(vocab.coverage; at most vocab.draft_vocab_size={cfg.draft_vocab_size})")
+                f"(vocab.coverage; at most {cap})")
     ids = build_draft_vocab(a_counts, o_counts, target_vocab, size)
     d2t, t2d = maps_from_ids(ids, target_vocab)
     out = ctx.stage_dir("vocab")
