@@ -14,6 +14,7 @@ import json
 import shlex
 from pathlib import Path
 
+from ..config import TrainConfig
 from ..errors import EyasError
 from ..io import read_json, write_text_atomic
 
@@ -26,8 +27,9 @@ def _load_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def plot_training(rows: list[dict], out: Path) -> Path | None:
-    """Loss (total and per TTT step) and per-step accuracy against the optimizer step; ``None`` without rows."""
+def plot_training(rows: list[dict], out: Path, ttt_decay: float) -> Path | None:
+    """Loss (total and per TTT step) and per-step accuracy against the optimizer step; ``None`` without rows.
+    ``ttt_decay``: the run's ``train.ttt_decay`` (step i of the total loss is weighted ``ttt_decay**i``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,7 +50,7 @@ def plot_training(rows: list[dict], out: Path) -> Path | None:
     for i in range(k):
         a1.plot(steps, [r.get(f"loss_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
         a2.plot(steps, [r.get(f"acc_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
-    a0.set(xlabel="optimizer step", ylabel="loss", title="total loss (0.8^i-weighted sum over TTT steps)")
+    a0.set(xlabel="optimizer step", ylabel="loss", title=f"total loss ({ttt_decay:g}^i-weighted sum over TTT steps)")
     a1.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss per TTT step")
     a2.set(xlabel="optimizer step", ylabel="top-1 accuracy (draft vocab)", title="accuracy per TTT step", ylim=(0, 1))
     for a in (a0, a1, a2):
@@ -152,7 +154,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     rows = _load_metrics(run_dir / "train" / "metrics.jsonl")
     if (run_dir / "train" / "done.json").exists():
         parts.append(_table(read_json(run_dir / "train" / "done.json")["summary"]))
-    fig = plot_training(rows, out)
+    decay = (cfg.get("train") or {}).get("ttt_decay", TrainConfig.model_fields["ttt_decay"].default)
+    fig = plot_training(rows, out, float(decay))
     parts.append(f'<img src="{fig.name}" alt="training curves">' if fig else "<p>no training metrics</p>")
     parts.append("<h2>Acceptance</h2>")
     res_file = run_dir / "evaluate" / "results.json"

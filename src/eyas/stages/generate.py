@@ -33,11 +33,6 @@ def _load(ctx: RunContext, stage: str) -> list[Conversation]:
     return [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir(stage) / "conversations.jsonl")]
 
 
-def _user_prefixes(conv: Conversation) -> list[list[Message]]:
-    """For each user turn, the messages up to and including it (system + earlier turns)."""
-    return [conv.messages[: i + 1] for i, m in enumerate(conv.messages) if m.role == "user"]
-
-
 @torch.no_grad()
 def generate_batch(model, tokenizer, prompts: list[str], cfg, generator_seed: int) -> list[tuple[str, str]]:
     """Generate one reply per prompt text (already rendered with the chat template).

@@ -10,7 +10,6 @@ writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -21,7 +20,6 @@ from ..store import HiddenStateStore
 from ..store.shards import DTYPES as STORE_DTYPES
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
-from ..train.checkpoint import save_checkpoint  # noqa: F401  (re-exported for tools)
 from ..train.data import StoreDataset, TokenDataset, split_held_out
 from ..train.loop import StateSource, stored_states, summarise_metrics, train
 from . import RunContext, stage_fingerprint
@@ -197,6 +195,3 @@ def load_trained_draft(ctx: RunContext, device: torch.device):
         with torch.no_grad():
             model.embed_tokens.weight.copy_(embed)
     return model.to(device).eval(), meta
-
-
-__all__ = ["run", "load_trained_draft", "load_drafter", "online_states", "json"]

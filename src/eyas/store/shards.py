@@ -45,7 +45,6 @@ from .fp8 import FP8, dequantize_fp8, fp8_has_nan, quantize_fp8
 
 FORMAT_VERSION = 2
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-AUX_FORMATS = ("same", "float8_e4m3fn")  # "same": aux stored in the store dtype
 
 
 @dataclass

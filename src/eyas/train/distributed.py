@@ -2,8 +2,9 @@
 
 ``torchrun --nproc-per-node N -m eyas.cli train CONFIG`` starts N processes; :meth:`Dist.from_env` joins them
 (NCCL on CUDA, gloo on CPU) and :meth:`Dist.wrap` wraps the draft once, with DDP or FSDP2 (``fully_shard``), as
-``train.distributed`` says. The loop never asks whether it is distributed: it calls :meth:`Dist.all_reduce`,
-:meth:`Dist.model_state` and friends, which are identities on one process.
+``train.distributed`` says. The loop does not branch on the strategy or the process count: it calls
+:meth:`Dist.all_reduce`, :meth:`Dist.model_state` and friends, which are identities on one process; the one thing
+it asks is :attr:`Dist.is_main`, because only process 0 writes metrics and checkpoints.
 
 Exactness across process counts: each TTT step's loss is a mean over the counted positions of the *global* batch
 (the per-step counts are all-reduced before the loss), and each process scales its loss by the world size so that
@@ -105,8 +106,3 @@ class Dist:
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The draft inside a DDP wrapper (FSDP2 modifies the module in place, so it is the module itself)."""
-    return getattr(model, "module", model)
