@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from .config import RunConfig
 from .data.chat import ChatTemplateError, render_conversation, render_prompt
 from .data.formats import load_source
+from .dtypes import DTYPES
 from .errors import ConfigError
 from .families import default_aux_layer_ids, family_of, text_config
 from .records import SkipCounter
@@ -36,7 +37,6 @@ from .targets.load import load_tokenizer, materialize_target, read_target_config
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H200 datasheet, without sparsity)
 DEFAULT_MFU = 0.35
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TOKEN_ID_BYTES = 8  # input_ids are stored as int64
 
 
@@ -78,7 +78,7 @@ def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "b
     bf16: ``(num_aux + 1) * H * 2``; ``aux_fp8``: ``num_aux * (H + 4) + H * bytes(dtype)`` (e4m3 values, one fp32
     scale per token and layer, last state unquantised). Raises ``KeyError`` for an unknown dtype.
     """
-    b = BYTES[dtype]
+    b = DTYPES[dtype].itemsize
     aux = num_aux * (hidden_size + 4) if aux_fp8 else num_aux * hidden_size * b
     return aux + hidden_size * b
 

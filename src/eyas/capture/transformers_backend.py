@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import DTYPES
 from ..records import TokenizedSample
 from ..store.fp8 import quantize_fp8
 from . import CapturedSample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -201,7 +200,6 @@ def make_backend(target_cfg, extract_cfg, layer_ids: list[int], device: str | No
     from transformers import AutoModel
 
     from ..targets.load import materialize_target, resolve_device
-    from ..store.shards import DTYPES as STORE_DTYPES
 
     path = materialize_target(target_cfg)
     dev = resolve_device(device or target_cfg.device)
@@ -213,7 +211,7 @@ def make_backend(target_cfg, extract_cfg, layer_ids: list[int], device: str | No
         model = AutoModel.from_pretrained(path, **kwargs).to(dev)
     model.eval().requires_grad_(False)
     return TransformersBackend(model, layer_ids, batch_tokens=extract_cfg.batch_tokens,
-                               store_dtype=STORE_DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
+                               store_dtype=DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
                                engine=engine_info(target_cfg, extract_cfg, dev))
 
 

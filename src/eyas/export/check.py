@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from ..dtypes import FROM_SAFETENSORS_CODE
 from ..errors import EyasError
 from ..families import convert_layer_ids
 from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
@@ -126,11 +127,6 @@ def _read_tensor(folder: Path, name: str) -> torch.Tensor | None:
             if name in h.keys():
                 return h.get_tensor(name)
     return None
-
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 def layout_of(cfg: dict) -> str:
@@ -270,7 +266,7 @@ def _check_weights(meta: dict, dcfg: Eagle3Config, spec: bool, rep: FolderReport
     if "t2d" not in names:
         rep.add("info", "both", "no t2d: engines ignore it, but resuming training needs it")
     # check_state_shapes needs .shape and .dtype only: use meta tensors of the recorded shape and dtype
-    shapes = {k: torch.empty(meta_shape, dtype=_DTYPES.get(dt, torch.float32), device="meta")
+    shapes = {k: torch.empty(meta_shape, dtype=FROM_SAFETENSORS_CODE.get(dt, torch.float32), device="meta")
               for k, (meta_shape, dt) in ((("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n),
                                            meta[n]) for n in meta)}
     for p in check_state_shapes(shapes, dcfg):

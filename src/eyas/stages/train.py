@@ -17,7 +17,7 @@ import torch
 from ..errors import EyasError
 from ..io import read_json, write_json_atomic
 from ..store import HiddenStateStore
-from ..store.shards import DTYPES as STORE_DTYPES
+from ..dtypes import DTYPES
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
 from ..train.data import StoreDataset, TokenDataset, split_held_out
@@ -53,7 +53,7 @@ def online_states(ctx: RunContext, layer_ids: list[int], samples: list) -> State
 
     backend = make_backend(ctx.cfg.extract.backend, ctx.cfg.target, ctx.cfg.extract, layer_ids, None)
     by_id = {s.id: s for s in samples}
-    dt = STORE_DTYPES[ctx.cfg.extract.dtype]
+    dt = DTYPES[ctx.cfg.extract.dtype]
 
     def states(batch: dict, device: torch.device) -> dict:
         got = {c.sample_id: c for c in backend.capture([by_id[i] for i in batch["ids"]])}

@@ -32,7 +32,8 @@ from safetensors import safe_open
 from ..errors import EyasError
 from ..io import iter_jsonl, read_json, write_text_atomic
 from .fp8 import fp8_has_nan
-from .shards import DTYPES, HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
+from ..dtypes import DTYPES
+from .shards import HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
 
 KINDS = ("missing", "corrupt", "foreign", "stale", "duplicate", "orphan")
 

@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..dtypes import DTYPES, SAFETENSORS_CODES
 from ..errors import StoreError
 from ..io import JsonlAppender, atomic_path, read_json, sha256_bytes, write_json_atomic
 from .fp8 import FP8, dequantize_fp8, fp8_has_nan, quantize_fp8
 
 FORMAT_VERSION = 2
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -176,10 +176,6 @@ def read_safetensors_header(path: Path) -> tuple[bytes, dict]:
     return head + raw, meta
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-              torch.int64: "I64", FP8: "F8_E4M3"}
-
-
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``tensors`` back to back, in dict order.
 
@@ -194,7 +190,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     offset = 0
     for k, t in tensors.items():
         n = t.numel() * t.element_size()
-        meta[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        meta[k] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     js = json.dumps(meta, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
