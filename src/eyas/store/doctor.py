@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EyasError
-from ..io import iter_jsonl, read_json, write_text_atomic
+from ..io import iter_jsonl, read_json, split_jsonl, write_text_atomic
 from .fp8 import fp8_has_nan
 from ..dtypes import DTYPES
 from .shards import HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
@@ -118,13 +118,13 @@ def _run_context(run_dir: Path):
 def _read_records(store: HiddenStateStore, report: DoctorReport) -> list[ShardRecord]:
     recs = []
     for mf in store.manifest_files():
-        raw = mf.read_bytes().split(b"\n")
-        for lineno, line in enumerate(raw, 1):
+        lines, torn = split_jsonl(mf.read_bytes())
+        for lineno, line in enumerate(lines + [torn], 1):
             if not line.strip():
                 continue
             where = f"{mf.name}:{lineno}"
             try:
-                if lineno == len(raw):
+                if lineno > len(lines):
                     raise ValueError("torn last line (no newline)")
                 d = json.loads(line)
                 recs.append(ShardRecord(d["shard"], int(d["bytes"]), d["header_sha256"], d.get("run_id", "?"),
