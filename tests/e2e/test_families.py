@@ -150,14 +150,14 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     # Tokenize rendered the family's own template: its end-of-turn token closes every trained turn.
     eot_id = transformers.AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(TINY[name]["eot"])
     first = json.loads((tmp_path / "run" / "tokenize" / "samples.jsonl").read_text().splitlines()[0])
-    assert s["tokenize"]["samples"] == 12 and s["tokenize"]["assistant_tokens"] > 0
+    assert s["tokenize"].samples == 12 and s["tokenize"].assistant_tokens > 0
     trained = [t for t, m in zip(first["input_ids"], first["loss_mask"]) if m]
     assert eot_id in trained or len(first["input_ids"]) == 160  # (unless truncated at max_length)
 
     # Extract: the engines' default layers for the family, output_of_layer; stored states equal HF's own
     # output_hidden_states (capture hooks work on MoE, MLA and sink/sliding-window decoder layers).
-    assert s["extract"]["layer_ids"] == fam.aux_layers(N_LAYERS) == [1, 3, 4]
-    assert s["extract"]["layer_convention"] == "output_of_layer"
+    assert s["extract"].layer_ids == fam.aux_layers(N_LAYERS) == [1, 3, 4]
+    assert s["extract"].layer_convention == "output_of_layer"
     store = HiddenStateStore.open(tmp_path / "run" / "extract" / "store")
     st = store.read(first["id"])
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -169,7 +169,7 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     torch.testing.assert_close(st.last, hs[-1][0].to(torch.bfloat16))
 
     # Train: finite, and it learns on the target's own replies.
-    assert s["train"]["steps"] == 9 and s["train"]["loss"] < s["train"]["first_loss"]
+    assert s["train"].steps == 9 and s["train"].loss < s["train"].first_loss
 
     # Export: what SGLang/vLLM read, derived from the target's config by the family's rules.
     exp = tmp_path / "run" / "export" / "sglang"

@@ -115,7 +115,7 @@ def _vllm(ctx, folder: Path, convs, eos) -> dict:
 @pytest.fixture(scope="session")
 def measured(smol_run, prompts):
     target, convs = prompts
-    folder = smol_run.stage_dir("export") / "vllm"
+    folder = smol_run.run.export("vllm")
     ref = _reference(smol_run, target, folder, convs)
     return ref, _vllm(smol_run, folder, convs, ref["eos"])
 
@@ -139,9 +139,9 @@ def test_vllm_acceptance_agrees_with_reference(measured):
 def test_sglang_layout_reads_the_same_layers_in_vllm(smol_run, prompts, measured):
     _, convs = prompts
     ref, v = measured
-    rep = check_folder(smol_run.stage_dir("export") / "sglang", read_target_config(smol_run.cfg.target))
+    rep = check_folder(smol_run.run.export("sglang"), read_target_config(smol_run.cfg.target))
     assert rep.ok and rep.captured["sglang"] == rep.captured["vllm"]
-    vs = _vllm(smol_run, smol_run.stage_dir("export") / "sglang", convs, ref["eos"])
+    vs = _vllm(smol_run, smol_run.run.export("sglang"), convs, ref["eos"])
     assert abs(vs["acceptance_length"] - v["acceptance_length"]) <= TOL
 
 

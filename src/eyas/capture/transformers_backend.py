@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import token_budget_batches
 from ..dtypes import DTYPES
 from ..records import TokenizedSample
 from ..store.fp8 import quantize_fp8
@@ -42,26 +43,6 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
     if layers is None:
         raise TypeError(f"{type(model).__name__}: cannot find its decoder layers (expected model.model.layers)")
     return layers
-
-
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
-    """Group sample indices into batches of at most ``batch_tokens`` padded tokens, longest first.
-
-    Sorting (stable: ties keep their order) keeps padding small; a sample longer than the budget forms a batch of
-    its own. A batch is cut when its first (longest) sample's length times its size would exceed the budget, so
-    feeding back the samples of any subset of whole batches, in batch order, reproduces exactly those batches
-    (the extract stage relies on it: a resumed run computes bit-identical states).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batch: list[int] = []
-    for i in order:
-        width = lengths[batch[0]] if batch else lengths[i]
-        if batch and width * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 @dataclass

@@ -25,8 +25,13 @@ from ..evaluate.decoder import SpecConfig, estimated_speedup, speculative_genera
 from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
+from ..summaries import EvaluateSummary
 from ..targets.load import load_target, load_target_head, materialize_target
 from . import RunContext
+
+# tokenize.chat_template_kwargs: prompts are rendered as the target is served and as the drafter was trained
+READS = ("evaluate", "target", "tokenize.chat_template_kwargs")
+INPUTS = ("export",)
 
 
 def load_sets(ctx: RunContext) -> dict[str, list[tuple[str, list[str]]]]:
@@ -52,10 +57,10 @@ def spec_config(ctx: RunContext) -> SpecConfig:
                       temperature=cfg.temperature, seed=cfg.seed)
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> EvaluateSummary:
     cfg = ctx.cfg.evaluate
     sets = load_sets(ctx)
-    folder = ctx.stage_dir("export") / ("sglang" if (ctx.stage_dir("export") / "sglang").exists() else "vllm")
+    folder = ctx.run.export("sglang") if ctx.run.export("sglang").exists() else ctx.run.export("vllm")
     if cfg.engine == "vllm":
         per_set = _evaluate_vllm(ctx, sets, folder)
     else:
@@ -79,12 +84,12 @@ def run(ctx: RunContext) -> dict:
     if times:
         result["speedup_estimate"] = round(sum(s["speedup_estimate"] * s["rounds"] for s in times)
                                            / max(sum(s["rounds"] for s in times), 1), 3)
-    write_json_atomic(ctx.stage_dir("evaluate") / "results.json", result)
+    write_json_atomic(ctx.run.evaluation, result)
     for name, s in per_set.items():
         ctx.log(f"[eyas] evaluate [{cfg.engine}] {name}: acceptance length {s['acceptance_length']:.3f} "
                 f"({s['prompts']} prompts, {s['rounds']} rounds)")
-    return {k: v for k, v in result.items() if k != "sets"} | {
-        "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}}
+    return EvaluateSummary.model_validate({k: v for k, v in result.items() if k != "sets"} | {
+        "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}})
 
 
 def _set_summary(rounds: int, accepted: int, per_pos: list[int], **extra) -> dict:

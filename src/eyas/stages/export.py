@@ -14,19 +14,23 @@ from ..export.check import MANIFEST, check_folder
 from ..export.sglang import write_sglang
 from ..export.vllm import write_vllm
 from ..io import write_json_atomic
+from ..summaries import ExportSummary
 from ..targets.load import materialize_target, read_target_config
 from . import RunContext
 from .train import load_trained_draft
 
+READS = ("export", "target")
+INPUTS = ("train",)
 
-def run(ctx: RunContext) -> dict:
+
+def run(ctx: RunContext) -> ExportSummary:
     cfg = ctx.cfg.export
     model, meta = load_trained_draft(ctx, torch.device("cpu"))
     target_cfg = read_target_config(ctx.cfg.target)
     ids, conv = meta["aux_layer_ids"], meta["layer_convention"]
     out, checks = {}, {}
     for fmt in cfg.formats:
-        d = ctx.stage_dir("export") / fmt
+        d = ctx.run.export(fmt)
         if fmt == "sglang":
             write_sglang(d, model, ids, conv, target_cfg)
         else:
@@ -44,4 +48,4 @@ def run(ctx: RunContext) -> dict:
         checks[fmt] = {"captured_hf_index": rep.captured, "warnings": [str(f) for f in rep.findings
                                                                        if f.level == "warning"]}
         ctx.log(f"[eyas] export: {fmt} folder {d} (checked: {', '.join(engines)})")
-    return {"folders": out, "checks": checks}
+    return ExportSummary(folders=out, checks=checks)

@@ -24,13 +24,13 @@ from tqdm import tqdm
 
 from ..data.chat import render_prompt
 from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
-from ..records import Conversation, Message, SkipCounter, SkipRecord
+from ..records import Conversation, Message, SkipCounter, SkipRecord, read_conversations
 from ..targets.load import load_target, load_tokenizer, materialize_target
 from . import RunContext
 
-
-def _load(ctx: RunContext, stage: str) -> list[Conversation]:
-    return [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir(stage) / "conversations.jsonl")]
+# tokenize.chat_template_kwargs: prompts are rendered with the template exactly as tokenize will render the replies
+READS = ("generate", "target", "tokenize.chat_template_kwargs")
+INPUTS = ("prepare",)
 
 
 @torch.no_grad()
@@ -66,9 +66,8 @@ def generate_batch(model, tokenizer, prompts: list[str], cfg, generator_seed: in
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.generate
-    out_dir = ctx.stage_dir("generate")
-    out_path = out_dir / "conversations.jsonl"
-    convs = _load(ctx, "prepare")
+    out_path = ctx.run.generated
+    convs = read_conversations(ctx.run.prepared)
     skips = SkipCounter()
     if not cfg.enabled:
         kept = 0
@@ -80,7 +79,7 @@ def run(ctx: RunContext) -> dict:
                     continue
                 w.append(c.to_json())
                 kept += 1
-        write_json_atomic(out_dir / "report.json", {"samples": kept, "skips": skips.to_json()})
+        write_json_atomic(ctx.run.generate_report, {"samples": kept, "skips": skips.to_json()})
         return {"samples": kept, "regenerated": False, "skipped": skips.total}
 
     if out_path.exists():
@@ -158,7 +157,7 @@ def run(ctx: RunContext) -> dict:
     total = len(done_ids) + len(todo)
     report = {"samples": total, "finish_reasons_this_run": finish_counts, "resumed_from": len(done_ids),
               "turns_over_max_prompt_tokens_this_run": over_limit}
-    write_json_atomic(out_dir / "report.json", report)
+    write_json_atomic(ctx.run.generate_report, report)
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"]}
 
 
@@ -210,8 +209,8 @@ def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list
     if Path(model).expanduser().resolve() != target_dir.resolve():
         ctx.log(f"[eyas] generate: warning: the server serves '{model}', target.model is {target_dir}; the replies "
                 f"are the target's only if that is the same model (serve the target folder to silence this)")
-    write_json_atomic(ctx.stage_dir("generate") / "report.json", report)
+    write_json_atomic(ctx.run.generate_report, report)
     if skips.total:
         ctx.log(f"[eyas] generate: {skips.total} conversations refused or cut by the server; reasons in "
-                f"{ctx.stage_dir('generate') / 'report.json'}")
+                f"{ctx.run.generate_report}")
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"], "skipped": skips.total}

@@ -22,17 +22,20 @@ import math
 from ..data.formats import load_source
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
+from ..summaries import PrepareSummary
 from ..targets.load import load_tokenizer
 from . import RunContext
+
+READS = ("prepare", "target")  # target: its tokenizer counts the report's tokens
+INPUTS = ()
 
 DUPLICATE = "duplicate conversation (same sample id)"
 OVER_MAX = "over prepare.max_samples"
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> PrepareSummary:
     cfg = ctx.cfg.prepare
-    out_dir = ctx.stage_dir("prepare")
-    out = out_dir / "conversations.jsonl"
+    out = ctx.run.prepared
     out.unlink(missing_ok=True)  # prepare is cheap and deterministic: always rebuilt whole
     tok = load_tokenizer(ctx.cfg.target)
     skips = SkipCounter()
@@ -77,7 +80,7 @@ def run(ctx: RunContext) -> dict:
             )
     totals = {k: sum(s[k] for s in per_source) for k in ("rows_read", "rows_kept", "rows_skipped", "turns")}
     all_lengths = [n for v in lengths.values() for n in v]
-    png = out_dir / "token_lengths.png"
+    png = ctx.run.token_lengths_png
     plotted = _plot_histogram(lengths, png, str(tok.name_or_path), ctx)
     report = {
         "samples": kept,
@@ -89,12 +92,12 @@ def run(ctx: RunContext) -> dict:
         "sources": per_source,
         "skips": skips.to_json(),
     }
-    write_json_atomic(out_dir / "report.json", report)
+    write_json_atomic(ctx.run.prepare_report, report)
     if skips.total:
         top = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
-        ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {out_dir / 'report.json'}")
-    return {"samples": kept, "duplicates": duplicates, "skipped": totals["rows_skipped"],
-            "tokens": sum(all_lengths)}
+        ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {ctx.run.prepare_report}")
+    return PrepareSummary(samples=kept, duplicates=duplicates, skipped=totals["rows_skipped"],
+                          tokens=sum(all_lengths))
 
 
 def _skip_kept_row(stats: dict, skips: SkipCounter, rec: SkipRecord) -> None:

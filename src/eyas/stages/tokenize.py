@@ -10,10 +10,14 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from ..data.chat import ChatTemplateError, render_conversation
-from ..io import JsonlAppender, iter_jsonl, sha256_bytes, write_json_atomic
-from ..records import Conversation, SkipCounter, SkipRecord, TokenizedSample
+from ..io import JsonlAppender, sha256_bytes, write_json_atomic
+from ..records import SkipCounter, SkipRecord, TokenizedSample, read_conversations
+from ..summaries import TokenizeSummary
 from ..targets.load import load_tokenizer, materialize_target
 from . import RunContext
+
+READS = ("tokenize", "target")
+INPUTS = ("generate",)
 
 
 def tokenizer_identity(tok) -> dict:
@@ -26,13 +30,12 @@ def tokenizer_identity(tok) -> dict:
     }
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> TokenizeSummary:
     cfg = ctx.cfg.tokenize
-    out_dir = ctx.stage_dir("tokenize")
-    out = out_dir / "samples.jsonl"
+    out = ctx.run.tokenized
     out.unlink(missing_ok=True)
     tok = load_tokenizer(ctx.cfg.target)
-    convs = [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir("generate") / "conversations.jsonl")]
+    convs = read_conversations(ctx.run.generated)
     skips = SkipCounter()
     n = tokens = trained = truncated = 0
     with JsonlAppender(out, fsync_every=1 << 30) as w:
@@ -63,13 +66,8 @@ def run(ctx: RunContext) -> dict:
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(),
     }
-    write_json_atomic(out_dir / "meta.json", meta)
+    write_json_atomic(ctx.run.tokenize_meta, meta)
     if skips.total:
-        ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {out_dir / 'meta.json'}")
-    return {"samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
-            "skipped": skips.total}
-
-
-def load_samples(ctx: RunContext) -> list[TokenizedSample]:
-    """All tokenized samples of the run, in file order."""
-    return [TokenizedSample.from_json(d) for _, d in iter_jsonl(ctx.stage_dir("tokenize") / "samples.jsonl")]
+        ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {ctx.run.tokenize_meta}")
+    return TokenizeSummary(samples=n, tokens=tokens, assistant_tokens=trained, truncated=truncated,
+                           skipped=skips.total)

@@ -14,18 +14,24 @@ from pathlib import Path
 
 import torch
 
+from ..data.vocab import load_vocab
+from ..dtypes import DTYPES
 from ..errors import EyasError
 from ..io import read_json, write_json_atomic
+from ..records import read_tokenized
 from ..store import HiddenStateStore
-from ..dtypes import DTYPES
+from ..store.header import expected_header
+from ..summaries import TrainSummary
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
 from ..train.data import StoreDataset, TokenDataset, split_held_out
-from ..train.loop import StateSource, stored_states, summarise_metrics, train
-from . import RunContext, stage_fingerprint
-from .extract import expected_header, store_path
-from .tokenize import load_samples
-from .vocab import load_vocab
+from ..train.loop import StateSource, stored_states, train
+from ..train.metrics import summarise_metrics
+from . import RunContext
+
+# extract: online training captures with the extract stage's backend and dtypes; the store header names its layers
+READS = ("train", "target", "extract")
+INPUTS = ("tokenize", "vocab", "extract")
 
 
 class _Subset:
@@ -106,19 +112,19 @@ def load_drafter(folder: Path, embed: torch.Tensor):
     raise EyasError(f"train.init_from: {folder} has neither draft_config.json (Eyas) nor config.json (SGLang)")
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> TrainSummary:
     cfg = ctx.cfg.train
-    out = ctx.stage_dir("train")
+    out = ctx.run.stage("train")
     target_cfg = read_target_config(ctx.cfg.target)
     embed, lm_head = load_target_head(ctx.cfg.target)
-    samples = load_samples(ctx)
+    samples = read_tokenized(ctx.run.tokenized)
     if cfg.mode == "offline":
-        store = HiddenStateStore.open(store_path(ctx))
+        store = HiddenStateStore.open(ctx.run.store)
         header = store.header
         dataset = StoreDataset(samples, store, cfg.max_length)
         states = stored_states
     else:
-        header = expected_header(ctx)
+        header = expected_header(ctx.cfg.target, ctx.cfg.extract, ctx.run)
         dataset = TokenDataset(samples, cfg.max_length)
         states = online_states(ctx, header.layer_ids, samples)
     states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
@@ -136,7 +142,7 @@ def run(ctx: RunContext) -> dict:
         ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
                 f"kept; the run's vocab stage is not used)")
     else:
-        d2t, t2d = load_vocab(ctx.stage_dir("vocab") / "vocab.safetensors")
+        d2t, t2d = load_vocab(ctx.run.vocab)
         dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
         model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
     train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
@@ -145,11 +151,11 @@ def run(ctx: RunContext) -> dict:
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "
             f"{n_params / 1e6:.1f}M trainable parameters, TTT {cfg.ttt_steps} steps, device {device}")
-    result = train(model, train_set, lm_head, cfg, out, device, stage_fingerprint(ctx.cfg, "train"), log=ctx.log,
+    result = train(model, train_set, lm_head, cfg, out, device, ctx.fingerprint, log=ctx.log,
                    states=states, held_out=held_out)
     import torch.distributed as tdist
 
-    summary = _write_final(out, result, dcfg, layer_ids, header, cfg, n_params) if result.final_state else None
+    summary = _write_final(ctx, result, dcfg, layer_ids, header, n_params) if result.final_state else None
     if tdist.is_initialized():  # every process returns process 0's summary (each writes the same done.json)
         box = [summary]
         tdist.broadcast_object_list(box, src=0)
@@ -157,11 +163,12 @@ def run(ctx: RunContext) -> dict:
     return summary
 
 
-def _write_final(out: Path, result, dcfg, layer_ids, header, cfg, n_params: int) -> dict:
+def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int) -> TrainSummary:
     """``train/final`` (weights + draft_config.json) and the stage summary; process 0 only."""
     from safetensors.torch import save_file
 
-    final = out / "final"
+    cfg = ctx.cfg.train
+    final = ctx.run.drafter
     final.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in result.final_state.items()},
               str(final / "draft.safetensors"))
@@ -170,10 +177,10 @@ def _write_final(out: Path, result, dcfg, layer_ids, header, cfg, n_params: int)
         "layer_convention": header.layer_convention, "target": header.target,
         "ttt_steps": cfg.ttt_steps,
     })
-    summary = summarise_metrics(out / "metrics.jsonl", cfg.ttt_steps)
+    summary = summarise_metrics(ctx.run.train_metrics, cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
                    tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1))
-    return summary
+    return TrainSummary(**summary)
 
 
 def load_trained_draft(ctx: RunContext, device: torch.device):
@@ -182,7 +189,7 @@ def load_trained_draft(ctx: RunContext, device: torch.device):
 
     from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
 
-    final = ctx.stage_dir("train") / "final"
+    final = ctx.run.drafter
     meta = read_json(final / "draft_config.json")
     model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
     embed, _ = load_target_head(ctx.cfg.target)

@@ -3,7 +3,7 @@ evaluate, checkpoint.
 
 Exact resume: the batches are a function of (seed, epoch) only (:func:`eyas.train.data.epoch_plan`), and a
 checkpoint holds the model, optimizer, step and data position, so a resumed run continues with the same batches
-and, on CPU, the same loss trajectory step for step. Distribution is the :class:`~eyas.train.distributed.Dist`
+and, on CPU, the same loss trajectory step for step. Distribution is the :class:`~eyas.distributed.Dist`
 context applied once; see that module for why N processes equal one process with an N times larger batch.
 """
 
@@ -22,12 +22,12 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import TrainConfig
+from ..distributed import Dist
 from ..errors import EyasError
 from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .data import collate, epoch_plan
-from .distributed import Dist
 from .loss import TargetLabels, step_counts, target_labels, ttt_loss_fused
 
 # batch dict (from collate) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] on ``device``
@@ -335,20 +335,3 @@ class _Writers:
         if self.wandb is not None:
             self.wandb.finish()
 
-
-def summarise_metrics(path: Path, ttt_steps: int, last_fraction: float = 0.1) -> dict:
-    """Mean loss and per-step accuracy over the last ``last_fraction`` of logged steps (a stable end-of-run view)."""
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    if not rows:
-        return {}
-    tail = rows[-max(1, int(len(rows) * last_fraction)):]
-    out = {"loss": sum(r["loss"] for r in tail) / len(tail),
-           "first_loss": rows[0]["loss"], "steps": rows[-1]["step"]}
-    for k in range(ttt_steps):
-        out[f"acc_{k}"] = sum(r.get(f"acc_{k}", 0.0) for r in tail) / len(tail)
-    evals = [r for r in rows if "eval_loss" in r]
-    if evals:
-        out["eval_loss"] = evals[-1]["eval_loss"]
-        for k in range(ttt_steps):
-            out[f"eval_acc_{k}"] = evals[-1][f"eval_acc_{k}"]
-    return out
