@@ -404,7 +404,7 @@ def eval_worker(args) -> None:
     """Decode this worker's share of (run, set, prompt, spec) tasks; one JSON line per task on stdout."""
     from eyas.data.chat import render_prompt
     from eyas.evaluate.decoder import speculative_generate
-    from eyas.export.sglang import load_sglang_draft
+    from eyas.drafter import load_drafter
     from eyas.targets.load import load_target, load_target_head
 
     cfg = load_cfg(args)
@@ -420,8 +420,8 @@ def eval_worker(args) -> None:
     for v in args.variants.split(","):
         folder = Path(args.runs) / v / "export" / "sglang"
         if (folder / "config.json").exists():
-            d, layer_ids = load_sglang_draft(folder, embed)
-            drafts[v] = (d.to(target.device), layer_ids)  # fp32 draft, bf16 target
+            d, dcfg = load_drafter(folder, embed, engine="sglang")
+            drafts[v] = (d.to(target.device), dcfg.layer_ids("output_of_layer"))  # fp32 draft, bf16 target
     tasks = [(v, sname) for v in drafts for sname in specs if v == "headline" or sname != "tree_d5_k4_n8"]
     jobs = [(v, s, p) for v, s in tasks for p in range(len(prompts))]
     for j, (v, sname, p) in enumerate(jobs):

@@ -326,11 +326,13 @@ def test_family_served_by_vllm(name, tmp_path, shared, smollm2_tokenizer):
     # The reference decoder on the same first turns (its evaluate run above decodes whole MT-bench conversations).
     from eyas.data.chat import render_prompt
     from eyas.evaluate.decoder import speculative_generate
-    from eyas.export.sglang import load_sglang_draft
+    from eyas.drafter import load_drafter
     from eyas.targets.load import load_target, load_target_head
 
     tgt = load_target(ctx.cfg.target)
-    draft, ids = load_sglang_draft(tmp_path / "run" / "export" / "sglang", load_target_head(ctx.cfg.target)[0])
+    draft, dcfg = load_drafter(tmp_path / "run" / "export" / "sglang", load_target_head(ctx.cfg.target)[0],
+                               engine="sglang")
+    ids = dcfg.layer_ids("output_of_layer")
     rounds = accepted = 0
     for r, out in zip(rows, v["outputs"]):
         prompt = render_prompt(tgt.tokenizer, [{"role": "user", "content": r["turns"][0]}])

@@ -10,14 +10,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.export.check import MANIFEST, check_folder, engine_layer_ids, load_draft_folder
+from eyas.drafter import drafter_weights, load_drafter
+from eyas.export.check import MANIFEST, check_folder
+from eyas.export.keys import VLLM_KEYS
+from eyas.export.layouts import engine_layer_ids
 from eyas.export.sglang import write_sglang
-from eyas.export.vllm import VLLM_KEYS, write_vllm
+from eyas.export.vllm import write_vllm
 from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
 
 TARGET = {"num_hidden_layers": 10, "hidden_size": 16, "vocab_size": 99, "rope_theta": 10000.0,
           "architectures": ["LlamaForCausalLM"], "eos_token_id": 2}
 TRAINED = [1, 4, 6]     # output_of_layer
+
+
+def _drafter(m, layer_ids=TRAINED):
+    return drafter_weights(m, layer_ids, "output_of_layer")
 
 
 def _model():
@@ -36,7 +43,7 @@ def _errors(rep, engine):
 
 def test_vllm_speculators_folder(tmp_path):
     m = _model()
-    write_vllm(tmp_path, m, TRAINED, "output_of_layer", TARGET, verifier="/models/target", num_speculative_tokens=4)
+    write_vllm(tmp_path, _drafter(m), TARGET, verifier="/models/target", num_speculative_tokens=4)
     st = load_file(str(tmp_path / "model.safetensors"))
     assert set(st) == VLLM_KEYS and "layers.0.self_attn.q_proj.weight" in st
     assert st["d2t"].dtype == torch.int64
@@ -52,13 +59,13 @@ def test_vllm_speculators_folder(tmp_path):
     assert not rep.errors("vllm"), rep.to_text()
     assert rep.captured["vllm"] == [2, 5, 7]
     assert _errors(rep, "sglang")                       # SGLang cannot load this layout: said so
-    m2, ids = load_draft_folder(tmp_path, m.embed_tokens.weight.detach())
-    assert ids == TRAINED
+    m2, dcfg = load_drafter(tmp_path, m.embed_tokens.weight.detach())
+    assert dcfg.layer_ids("output_of_layer") == TRAINED
     torch.testing.assert_close(m2.midlayer.self_attn.q_proj.weight, m.midlayer.self_attn.q_proj.weight.bfloat16().float())
 
 
 def test_sglang_folder_is_read_alike_by_both_engines(tmp_path):
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(_model()), TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]   # SGLang adds 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]                  # vLLM reads as is
@@ -68,7 +75,7 @@ def test_sglang_folder_is_read_alike_by_both_engines(tmp_path):
 
 
 def test_sglang_folder_without_top_level_ids_is_misread_by_vllm(tmp_path):
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(_model()), TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]     # what other trainers write
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -84,7 +91,7 @@ def test_sglang_folder_without_top_level_ids_is_misread_by_vllm(tmp_path):
 def test_shifted_export_is_caught_with_the_manifest(tmp_path):
     # exported with the ids off by one (the hf_index ids passed as output_of_layer): the manifest says what the
     # drafter was trained on, so the check names the shift.
-    write_vllm(tmp_path, _model(), [2, 5, 7], "output_of_layer", TARGET, verifier="t")
+    write_vllm(tmp_path, _drafter(_model(), [2, 5, 7]), TARGET, verifier="t")
     (tmp_path / MANIFEST).write_text(json.dumps({"aux_layer_ids": TRAINED, "layer_convention": "output_of_layer"}))
     rep = check_folder(tmp_path, TARGET)
     msgs = _errors(rep, "vllm")
@@ -93,7 +100,7 @@ def test_shifted_export_is_caught_with_the_manifest(tmp_path):
 
 def test_misread_fields_are_flagged(tmp_path):
     m = _model()
-    write_vllm(tmp_path, m, TRAINED, "output_of_layer", TARGET, verifier="t")
+    write_vllm(tmp_path, _drafter(m), TARGET, verifier="t")
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["norm_before_residual"]
     cfg["speculators_config"]["verifier"] = {}
@@ -115,7 +122,7 @@ def test_misread_fields_are_flagged(tmp_path):
 def test_d2t_that_holds_target_ids_is_flagged(tmp_path):
     m = _model()
     m.d2t.copy_(torch.arange(13) * 3 + 60)       # target ids written where offsets belong: maps past 99
-    write_sglang(tmp_path, m, TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(m), TARGET)
     rep = check_folder(tmp_path, TARGET)
     assert any("d2t" in e for e in _errors(rep, "vllm")), rep.to_text()
 
@@ -134,7 +141,7 @@ def test_vllm_reads_our_speculators_config_as_written(tmp_path):
     pytest.importorskip("vllm")
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    write_vllm(tmp_path, _model(), TRAINED, "output_of_layer", TARGET, verifier="/models/target",
+    write_vllm(tmp_path, _drafter(_model()), TARGET, verifier="/models/target",
                num_speculative_tokens=4)
     raw = json.loads((tmp_path / "config.json").read_text())
     spec = SpeculatorsConfig.extract_vllm_speculative_config(raw)

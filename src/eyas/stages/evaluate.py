@@ -20,9 +20,9 @@ from tqdm import tqdm
 from ..config import SourceConfig
 from ..data.chat import render_prompt
 from ..data.formats import load_source
+from ..drafter import load_drafter
 from ..errors import ConfigError
 from ..evaluate.decoder import SpecConfig, estimated_speedup, speculative_generate, target_generate
-from ..export.check import load_draft_folder
 from ..io import write_json_atomic
 from ..records import SkipCounter
 from ..summaries import EvaluateSummary
@@ -104,7 +104,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
     target = load_target(ctx.cfg.target)
     tok = target.tokenizer
     embed, _ = load_target_head(ctx.cfg.target)
-    draft, layer_ids = load_draft_folder(folder, embed, target.num_layers)
+    draft, dcfg = load_drafter(folder, embed, num_target_layers=target.num_layers)   # as vLLM reads the folder
+    layer_ids = dcfg.layer_ids("output_of_layer")
     draft.to(target.device)
     eos = model_eos_ids(target, tok)
     greedy = spec.temperature == 0

@@ -1,11 +1,12 @@
 """train: the EAGLE-3 draft with training-time test, offline from the store or online from the target.
 
 The draft vocabulary and layer ids are read from the run (vocab stage, store header), never recomputed; with
-``--init-from DRAFTER`` (``train.init_from``) the drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
+``--init-from DRAFTER`` (``train.init_from``, any drafter folder :func:`eyas.drafter.read_drafter` reads) the
+drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
 target in this job to make each batch's states (rounded to ``extract.dtype``, as the store would hold them, so
 offline and online train on the same numbers). Under ``torchrun`` every process runs this stage; process 0
 writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/tensorboard/`` and
-``train/final/`` (``draft.safetensors`` + ``draft_config.json``), from which export builds the engine folders.
+``train/final/``, a drafter folder (:mod:`eyas.drafter`), from which export builds the engine folders.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from pathlib import Path
 import torch
 
 from ..data.vocab import load_vocab
+from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..dtypes import DTYPES
 from ..errors import EyasError
-from ..io import read_json, write_json_atomic
+from ..families import text_config
 from ..records import read_tokenized
 from ..store import HiddenStateStore
 from ..store.header import expected_header
@@ -86,32 +88,6 @@ def _as_float(source: StateSource, dtype: torch.dtype) -> StateSource:
     return states
 
 
-def load_drafter(folder: Path, embed: torch.Tensor):
-    """An existing drafter to fine-tune: an Eyas ``train/final`` folder (``draft_config.json``) or an SGLang
-    folder (``config.json`` with ``LlamaForCausalLMEagle3``). Returns (model, aux layer ids or None).
-    Raises :class:`EyasError` when the folder is neither."""
-    from safetensors.torch import load_file
-
-    from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    if (folder / "draft_config.json").exists():
-        meta = read_json(folder / "draft_config.json")
-        model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
-        missing, unexpected = model.load_state_dict(load_file(str(folder / "draft.safetensors")), strict=False)
-        bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
-        if bad or unexpected:
-            raise EyasError(f"{folder}: draft weights do not match: missing {bad}, unexpected {unexpected}")
-        if model.config.hidden_size == model.config.target_hidden_size:   # else it saved its own table
-            with torch.no_grad():
-                model.embed_tokens.weight.copy_(embed)
-        return model, meta.get("aux_layer_ids")
-    if (folder / "config.json").exists():
-        from ..export.sglang import load_sglang_draft
-
-        return load_sglang_draft(folder, embed)
-    raise EyasError(f"train.init_from: {folder} has neither draft_config.json (Eyas) nor config.json (SGLang)")
-
-
 def run(ctx: RunContext) -> TrainSummary:
     cfg = ctx.cfg.train
     out = ctx.run.stage("train")
@@ -130,9 +106,11 @@ def run(ctx: RunContext) -> TrainSummary:
     states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
     layer_ids = header.layer_ids
     if cfg.init_from:
-        model, their_layers = load_drafter(Path(cfg.init_from).expanduser(), embed)
-        dcfg = model.config
-        if their_layers is not None and list(their_layers) != list(layer_ids):
+        # an engine folder's layers as SGLang reads them: eagle_config ids are output_of_layer (its own convention)
+        model, theirs = load_drafter(Path(cfg.init_from).expanduser(), embed, engine="sglang",
+                                     num_target_layers=int(text_config(target_cfg)["num_hidden_layers"]))
+        dcfg, their_layers = model.config, theirs.layer_ids(header.layer_convention)
+        if list(their_layers) != list(layer_ids):
             raise EyasError(f"train.init_from: {cfg.init_from} was trained on aux layers {their_layers}, this run "
                             f"captures {layer_ids} ({header.layer_convention}); they must match")
         if dcfg.vocab_size != int(embed.shape[0]) or dcfg.target_hidden_size != int(embed.shape[1]):
@@ -164,41 +142,13 @@ def run(ctx: RunContext) -> TrainSummary:
 
 
 def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int) -> TrainSummary:
-    """``train/final`` (weights + draft_config.json) and the stage summary; process 0 only."""
-    from safetensors.torch import save_file
-
+    """``train/final`` (a drafter folder) and the stage summary; process 0 only."""
     cfg = ctx.cfg.train
-    final = ctx.run.drafter
-    final.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in result.final_state.items()},
-              str(final / "draft.safetensors"))
-    write_json_atomic(final / "draft_config.json", {
-        "draft": dcfg.to_dict(), "aux_layer_ids": layer_ids,
-        "layer_convention": header.layer_convention, "target": header.target,
-        "ttt_steps": cfg.ttt_steps,
-    })
+    write_drafter(ctx.run.drafter, DrafterWeights(
+        DrafterConfig(draft=dcfg, aux_layer_ids=layer_ids, layer_convention=header.layer_convention,
+                      own_embedding=dcfg.own_embedding, target=header.target, ttt_steps=cfg.ttt_steps),
+        result.final_state))
     summary = summarise_metrics(ctx.run.train_metrics, cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
                    tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1))
     return TrainSummary(**summary)
-
-
-def load_trained_draft(ctx: RunContext, device: torch.device):
-    """The trained draft of this run (from ``train/final``), with the target's embedding table, in eval mode."""
-    from safetensors.torch import load_file
-
-    from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    final = ctx.run.drafter
-    meta = read_json(final / "draft_config.json")
-    model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
-    embed, _ = load_target_head(ctx.cfg.target)
-    state = load_file(str(final / "draft.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
-    if bad or unexpected:
-        raise RuntimeError(f"draft weights do not match the model: missing {bad}, unexpected {unexpected}")
-    if not model.config.own_embedding:  # a draft of another width saved its own table with its weights
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
-    return model.to(device).eval(), meta
