@@ -22,7 +22,7 @@ V, DV, HT = 99, 31, 24
 
 
 class ToySet:
-    """In-memory samples shaped like :class:`eyas.train.data.StoreDataset` items (random states, odd lengths)."""
+    """In-memory samples shaped like :class:`eyas.train.data.SampleDataset` items (random states, odd lengths)."""
 
     def __init__(self, n: int, seed: int, nan_sample: int | None = None):
         g = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ from ..store.header import expected_header
 from ..summaries import TrainSummary
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
-from ..train.data import StoreDataset, TokenDataset, split_held_out
+from ..train.data import SampleDataset, split_held_out
 from ..train.loop import StateSource, stored_states, train
 from ..train.metrics import summarise_metrics
 from . import RunContext
@@ -34,22 +34,6 @@ from . import RunContext
 # extract: online training captures with the extract stage's backend and dtypes; the store header names its layers
 READS = ("train", "target", "extract")
 INPUTS = ("tokenize", "vocab", "extract")
-
-
-class _Subset:
-    """A view of a dataset restricted to some indices (held-out split)."""
-
-    def __init__(self, ds, idx: list[int]):
-        self.ds, self.idx = ds, idx
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-    def num_tokens(self, i: int) -> int:
-        return self.ds.num_tokens(self.idx[i])
-
-    def __getitem__(self, i: int) -> dict:
-        return self.ds[self.idx[i]]
 
 
 def online_states(ctx: RunContext, layer_ids: list[int], samples: list) -> StateSource:
@@ -97,11 +81,11 @@ def run(ctx: RunContext) -> TrainSummary:
     if cfg.mode == "offline":
         store = HiddenStateStore.open(ctx.run.store)
         header = store.header
-        dataset = StoreDataset(samples, store, cfg.max_length)
+        dataset = SampleDataset(samples, cfg.max_length, store)
         states = stored_states
     else:
         header = expected_header(ctx.cfg.target, ctx.cfg.extract, ctx.run)
-        dataset = TokenDataset(samples, cfg.max_length)
+        dataset = SampleDataset(samples, cfg.max_length)
         states = online_states(ctx, header.layer_ids, samples)
     states = _as_float(states, torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float32)
     layer_ids = header.layer_ids
@@ -124,7 +108,7 @@ def run(ctx: RunContext) -> TrainSummary:
         dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
         model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
     train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
-    train_set, held_out = _Subset(dataset, train_idx), (_Subset(dataset, held_idx) if held_idx else None)
+    train_set, held_out = dataset.subset(train_idx), (dataset.subset(held_idx) if held_idx else None)
     device = resolve_device(cfg.device)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "

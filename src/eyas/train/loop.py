@@ -105,7 +105,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
 
     Args:
         dataset: ``len``, ``num_tokens(i)`` and ``ds[i]`` -> dict (``input_ids``, ``loss_mask``, ``id`` and, offline,
-            ``aux``/``last``): :class:`~eyas.train.data.StoreDataset` or :class:`~eyas.train.data.TokenDataset`.
+            ``aux``/``last``): :class:`~eyas.train.data.SampleDataset`.
         lm_head: [V, Ht] the target's lm_head weight (soft labels come from it and the post-norm last state).
         states: fills ``aux``/``last`` of a batch: :func:`stored_states` (offline) or the target run on the batch
             (online, :func:`eyas.stages.train.online_states`).
