@@ -4,23 +4,17 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tiny import draft_config, tiny_draft
 
 from eyas.drafter import drafter_weights, load_drafter
 from eyas.errors import EyasError
 from eyas.export.keys import SGLANG_KEYS, check_keys
 from eyas.export.sglang import write_sglang
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
-from safetensors.torch import load_file
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=23, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=4, target_hidden_size=16, vocab_size=99, draft_vocab_size=13)
-    m = Eagle3DraftModel(cfg)
-    m.d2t.copy_(torch.arange(13) * 2)
-    m.t2d[torch.arange(13) * 3] = True
-    return m
+    return tiny_draft(draft_config(), seed=0, draft_ids=torch.arange(13) * 3)   # H 16, vocab 99, draft vocab 13
 
 
 def test_export_key_set_and_config(tmp_path):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import draft_config, tiny_draft
 
 from eyas.drafter import drafter_weights, load_drafter
 from eyas.export.check import MANIFEST, check_folder
@@ -16,7 +17,6 @@ from eyas.export.keys import VLLM_KEYS
 from eyas.export.layouts import engine_layer_ids
 from eyas.export.sglang import write_sglang
 from eyas.export.vllm import write_vllm
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
 
 TARGET = {"num_hidden_layers": 10, "hidden_size": 16, "vocab_size": 99, "rope_theta": 10000.0,
           "architectures": ["LlamaForCausalLM"], "eos_token_id": 2}
@@ -28,13 +28,7 @@ def _drafter(m, layer_ids=TRAINED):
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=23, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=4, target_hidden_size=16, vocab_size=99, draft_vocab_size=13)
-    m = Eagle3DraftModel(cfg)
-    m.d2t.copy_(torch.arange(13) * 2)          # target ids 0, 3, 6, ... : offsets i*3 - i
-    m.t2d[torch.arange(13) * 3] = True
-    return m
+    return tiny_draft(draft_config(), seed=0, draft_ids=torch.arange(13) * 3)   # target ids 0, 3, 6, ...
 
 
 def _errors(rep, engine):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_target
 
 from eyas.capture import CaptureBackend
 from eyas.batching import token_budget_batches
@@ -15,11 +15,7 @@ LAYERS = [0, 2, 4]  # output_of_layer ids of a 6-layer target
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(hidden_size=36, intermediate_size=70, num_hidden_layers=6, num_attention_heads=3,
-                      num_key_value_heads=1, head_dim=12, vocab_size=99, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_target(hidden=36, layers=6, heads=3, kv_heads=1, head_dim=12, vocab=99)
 
 
 @pytest.fixture(scope="module")
