@@ -293,10 +293,11 @@ def cmd_probe_train(args) -> None:
         log("train budget already chosen")
         return
     cfg = load_cfg(args)
+    from eyas.records import read_tokenized
+    from eyas.run_folder import RunFolder
     from eyas.train.data import epoch_plan
 
-    lengths = [min(len(json.loads(x)["input_ids"]), cfg.train.max_length)
-               for x in (runs / "headline" / "tokenize" / "samples.jsonl").read_text().splitlines() if x.strip()]
+    lengths = [min(s.num_tokens, cfg.train.max_length) for s in read_tokenized(RunFolder(runs / "headline").tokenized)]
     n_samples = len(lengths)
     steps_per_epoch = len(epoch_plan(lengths, cfg.train.batch_size, 1, cfg.train.seed, 0, cfg.train.batch_tokens))
     random.Random(0).shuffle(lengths)
@@ -339,18 +340,20 @@ def cmd_stages(args) -> None:
 def cmd_variants(args) -> None:
     """Variant folders share the headline's finished upstream stages through hard links (same run id, so the
     store's run-id checks hold); Eyas's fingerprints then skip them and redo only what differs."""
+    from eyas.run_folder import RunFolder
+
     runs = Path(args.runs)
-    head = runs / "headline"
+    head = RunFolder(runs / "headline")
     for name, stages in SHARED_STAGES.items():
-        dst = runs / name
-        dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(head / "run.json", dst / "run.json")
+        dst = RunFolder(runs / name)
+        dst.root.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(head.run_json, dst.run_json)
         for s in stages:
-            if not (head / s / "done.json").exists():
-                raise SystemExit(f"{head / s} has not finished: run the headline's stages first")
-            if not (dst / s).exists():
-                subprocess.run(["cp", "-al", str(head / s), str(dst / s)], check=True)
-        log(f"{dst}: shares {', '.join(stages)} with the headline")
+            if not head.done(s).exists():
+                raise SystemExit(f"{head.stage(s)} has not finished: run the headline's stages first")
+            if not dst.stage(s).exists():
+                subprocess.run(["cp", "-al", str(head.stage(s)), str(dst.stage(s))], check=True)
+        log(f"{dst.root}: shares {', '.join(stages)} with the headline")
 
 
 def cmd_train_all(args) -> None:
@@ -405,6 +408,7 @@ def eval_worker(args) -> None:
     from eyas.data.chat import render_prompt
     from eyas.evaluate.decoder import speculative_generate
     from eyas.drafter import load_drafter
+    from eyas.run_folder import RunFolder
     from eyas.targets.load import load_target, load_target_head
 
     cfg = load_cfg(args)
@@ -418,7 +422,7 @@ def eval_worker(args) -> None:
     prompts = _eval_prompts(args)
     drafts = {}
     for v in args.variants.split(","):
-        folder = Path(args.runs) / v / "export" / "sglang"
+        folder = RunFolder(Path(args.runs) / v).export("sglang")
         if (folder / "config.json").exists():
             d, dcfg = load_drafter(folder, embed, engine="sglang")
             drafts[v] = (d.to(target.device), dcfg.layer_ids("output_of_layer"))  # fp32 draft, bf16 target
@@ -469,6 +473,8 @@ def cmd_evaluate(args) -> None:
 def cmd_pack(args) -> None:
     """OUT/results.tar.gz: every run folder without hidden states, checkpoints or weights; OUT/drafter_*.tar.part_*:
     the headline's SGLang folder in parts under 15 MiB (the device returns files of at most 16 MiB)."""
+    from eyas.run_folder import RunFolder
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = Path(args.runs)
@@ -480,7 +486,7 @@ def cmd_pack(args) -> None:
     if rc > 1:  # 1: a file changed while it was read (a log still being written): the archive is still whole
         raise SystemExit(f"tar failed ({rc})")
     for v in args.drafters.split(","):
-        folder = runs / v / "export" / "sglang"
+        folder = RunFolder(runs / v).export("sglang")
         if (folder / "config.json").exists():
             tarf = out / f"drafter_{v}.tar"
             subprocess.run(["tar", "cf", str(tarf), "-C", str(folder.parent), folder.name], check=True)
