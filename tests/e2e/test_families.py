@@ -187,7 +187,7 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
 
     # Evaluate with the exported folder: chain speculative decoding is token-for-token the target's greedy output.
     ev = s["evaluate"]
-    assert ev["prompts"] == 2 and ev["lossless_mismatches"] == 0 and ev["acceptance_length"] >= 1.0
+    assert ev.prompts == 2 and ev.lossless_mismatches == 0 and ev.acceptance_length >= 1.0
 
 
 def _check_family_specifics(name, tcfg, dcfg, w):

@@ -108,7 +108,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
             ``aux``/``last``): :class:`~eyas.train.data.SampleDataset`.
         lm_head: [V, Ht] the target's lm_head weight (soft labels come from it and the post-norm last state).
         states: fills ``aux``/``last`` of a batch: :func:`stored_states` (offline) or the target run on the batch
-            (online, :func:`eyas.stages.train.online_states`).
+            (online: the train stage's ``online_states``).
         held_out: a dataset like ``dataset`` evaluated every ``cfg.eval_every`` steps (no gradient).
         should_stop: called after each optimizer step with the step number; True checkpoints and returns (tests,
             schedulers that pre-empt).
