@@ -37,7 +37,7 @@ from eyas.drafter import DrafterWeights, load_drafter, read_drafter  # noqa: E40
 from eyas.export.check import MANIFEST, check_folder  # noqa: E402
 from eyas.export.vllm import write_vllm  # noqa: E402
 from eyas.io import stable_hash  # noqa: E402
-from eyas.stages import STAGES, RunContext, init_run_dir, run_stage  # noqa: E402
+from eyas.stages import STAGES, RunContext, dependencies, init_run_dir, run_stage  # noqa: E402
 from eyas.stages.evaluate import model_eos_ids  # noqa: E402
 from eyas.targets.load import default_cache_dir, load_target, load_target_head, read_target_config  # noqa: E402
 
@@ -65,13 +65,16 @@ DRAFTER = {
 
 @pytest.fixture(scope="session")
 def smol_run(tmp_path_factory) -> RunContext:
-    """The trained SmolLM2 drafter's run (prepare .. export), made once and cached by its configuration."""
-    run_dir = default_cache_dir() / "drafters" / f"smollm2-{stable_hash(DRAFTER, 12)}"
+    """The trained SmolLM2 drafter's run (prepare .. export), made once and cached by its configuration and by what
+    the stages' fingerprints cover (a run made when they covered less would be refused, not reused)."""
+    stages = STAGES[: STAGES.index("export") + 1]
+    key = stable_hash([DRAFTER, {s: dependencies(s) for s in stages}], 12)
+    run_dir = default_cache_dir() / "drafters" / f"smollm2-{key}"
     cfg_file = tmp_path_factory.mktemp("drafter") / "drafter.yaml"
     cfg_file.write_text(json.dumps({"run_dir": str(run_dir), **DRAFTER}))
     ctx = RunContext(cfg=load_config(cfg_file), log=lambda m: None)
     init_run_dir(ctx, ["tests/e2e/test_vllm_eagle3.py"])
-    for stage in STAGES[: STAGES.index("export") + 1]:
+    for stage in stages:
         run_stage(ctx, stage)
     return ctx
 
