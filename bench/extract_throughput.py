@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eyas.capture.transformers_backend import TransformersBackend, token_budget_batches  # noqa: E402
+from eyas.batching import token_budget_batches  # noqa: E402
+from eyas.capture.transformers_backend import TransformersBackend  # noqa: E402
 from eyas.records import TokenizedSample  # noqa: E402
 from eyas.store import HiddenStateStore, StoreHeader  # noqa: E402
 from eyas.store.pipeline import BackgroundWriter  # noqa: E402

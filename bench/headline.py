@@ -106,7 +106,7 @@ def cmd_extract_ratio(args) -> None:
     from eyas.capture.transformers_backend import DTYPES, resolve_compute_dtype
     from eyas.io import iter_jsonl
     from eyas.records import TokenizedSample
-    from eyas.stages.extract import plan_batches
+    from eyas.store.extraction import plan_batches
     from eyas.targets.load import materialize_target
 
     cfg = load_cfg(args)
@@ -180,7 +180,7 @@ def eval_worker(args) -> None:
     """This worker's share of (set, prompt, method) tasks; one JSON line per task on stdout."""
     from eyas.data.chat import render_prompt
     from eyas.evaluate.decoder import SpecConfig, lookup_generate, speculative_generate, target_generate
-    from eyas.export.check import load_draft_folder
+    from eyas.drafter import load_drafter
     from eyas.targets.load import load_target, load_target_head
 
     cfg = load_cfg(args)
@@ -190,7 +190,8 @@ def eval_worker(args) -> None:
     ge = target.model.generation_config.eos_token_id
     eos |= set(ge if isinstance(ge, list) else [ge] if ge is not None else [])
     embed, _ = load_target_head(cfg.target)
-    draft, layer_ids = load_draft_folder(Path(cfg.run_dir) / "export" / "sglang", embed, target.num_layers)
+    draft, dcfg = load_drafter(Path(cfg.run_dir) / "export" / "sglang", embed, num_target_layers=target.num_layers)
+    layer_ids = dcfg.layer_ids("output_of_layer")
     draft.to(target.device)
     specs = {"chain3": SpecConfig(depth=3), "chain7": SpecConfig(depth=7),
              "tree_d5_k4_n8": SpecConfig(depth=5, topk=4, total_tokens=8)}

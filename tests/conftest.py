@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to ../shared, a converted stories260K target, tiny random Llama targets."""
+"""Shared test fixtures: paths to ../shared and a converted stories260K target. Tiny random models: tests/tiny.py."""
 
 from __future__ import annotations
 
@@ -30,21 +30,3 @@ def stories_dir(tmp_path_factory, shared) -> Path:
     out = tmp_path_factory.mktemp("stories260K")
     convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", out)
     return out
-
-
-def tiny_llama(tmp: Path, *, hidden=32, layers=6, heads=4, kv_heads=2, vocab=None, tokenizer_from: Path,
-               seed=0) -> Path:
-    """A random-weight Llama with an odd small shape, saved with the tokenizer of ``tokenizer_from``."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 3 - 1, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab or len(tok),
-                      max_position_embeddings=512, tie_word_embeddings=False, head_dim=hidden // heads,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    return tmp

@@ -1,6 +1,6 @@
 """Eyas: train EAGLE-3 speculative-decoding draft models.
 
-Pipeline (one module per stage under ``eyas.stages``): prepare -> generate -> tokenize -> vocab -> extract ->
+Pipeline (one module per stage in ``stages/``, wired by the CLI): prepare -> generate -> tokenize -> vocab -> extract ->
 train -> export -> evaluate. ``eyas run CONFIG`` runs them all; each stage also runs alone.
 """
 

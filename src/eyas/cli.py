@@ -16,7 +16,8 @@ from rich.table import Table
 
 from .config import load_config
 from .errors import EyasError
-from .stages import STAGES, RunContext, init_run_dir, run_stage, stage_seconds
+from .run_folder import STAGES
+from .stages import RunContext, init_run_dir, run_stage, stage_module, stage_seconds
 
 app = typer.Typer(
     add_completion=False,
@@ -35,9 +36,9 @@ CONFIG_HELP = "Run config: a YAML file, or 'demo' for the embedded demo."
 OVERRIDES_HELP = "Overrides of single fields, as key.sub=value (value parsed as YAML)."
 
 
-def _ctx(config: str, overrides: list[str] | None, force: bool) -> RunContext:
+def _ctx(config: str, overrides: list[str] | None, force: bool, redo: frozenset[str] = frozenset()) -> RunContext:
     cfg = load_config(config, overrides)
-    ctx = RunContext(cfg=cfg, force=force, log=lambda m: console.print(m, markup=False, highlight=False))
+    ctx = RunContext(cfg=cfg, force=force, redo=redo, log=lambda m: console.print(m, markup=False, highlight=False))
     init_run_dir(ctx, sys.argv)
     return ctx
 
@@ -54,10 +55,9 @@ def _stage_command(stage: str):
         force: bool = typer.Option(False, "--force", help=f"Redo '{stage}' (and clear every later stage)."),
     ) -> None:
         try:
-            ctx = _ctx(config, overrides, force)
-            ctx.extra["force_stages"] = {stage}
+            ctx = _ctx(config, overrides, force, redo=frozenset({stage}))
             summary = run_stage(ctx, stage)
-            console.print_json(data=summary)
+            console.print_json(data=summary.to_json())
         except EyasError as e:
             _fail(e)
 
@@ -148,7 +148,7 @@ def _evaluate_command():
 
 _COMMANDS = {"train": _train_command, "export": _export_command, "evaluate": _evaluate_command}
 for _s in STAGES:
-    app.command(name=_s, help=(__import__(f"eyas.stages.{_s}", fromlist=["_"]).__doc__ or "").split("\n")[0])(
+    app.command(name=_s, help=(stage_module(_s).__doc__ or "").split("\n")[0])(
         _COMMANDS[_s]() if _s in _COMMANDS else _stage_command(_s))
 
 
@@ -297,9 +297,9 @@ def plan(
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:
-    """The end-of-run table: data, training, acceptance, and where the drafter is."""
+    """The end-of-run table: data, training, acceptance, and where the drafter is. ``s``: stage -> its summary."""
     out = Console()
-    t = Table(title=f"Eyas run summary: {ctx.run_dir}", show_header=True, header_style="bold")
+    t = Table(title=f"Eyas run summary: {ctx.run.root}", show_header=True, header_style="bold")
     t.add_column("what")
     t.add_column("value", overflow="fold")
     t.add_column("stage time", justify="right")
@@ -308,31 +308,30 @@ def print_summary(ctx: RunContext, s: dict) -> None:
         v = stage_seconds(ctx, stage)
         return f"{v:.0f} s" if v is not None else ""
 
-    tok, tr, ev = s["tokenize"], s["train"], s["evaluate"]
-    t.add_row("samples (prepared / tokenized)", f"{s['prepare']['samples']} / {tok['samples']}", secs("prepare"))
-    t.add_row("generated replies", f"{s['generate']['samples']} conversations", secs("generate"))
-    t.add_row("tokens (all / assistant)", f"{tok['tokens']} / {tok['assistant_tokens']}", secs("tokenize"))
-    t.add_row("draft vocabulary", f"{s['vocab']['draft_vocab_size']} ids, covers "
-              f"{100 * s['vocab']['assistant_token_coverage']:.1f}% of assistant tokens", secs("vocab"))
-    ex = s["extract"]
-    t.add_row("hidden states", f"{ex['tokens']} tokens, layers {ex['layer_ids']} ({ex['layer_convention']}), "
-              f"{ex['bytes_per_token']:.0f} bytes/token", secs("extract"))
-    k = ctx.cfg.train.ttt_steps
-    t.add_row("training loss (first -> last)", f"{tr.get('first_loss', float('nan')):.3f} -> {tr['loss']:.3f} "
-              f"({tr['steps']} steps)", secs("train"))
-    t.add_row("TTT accuracy per step", " ".join(f"{tr.get(f'acc_{i}', 0):.2f}" for i in range(k)), "")
-    t.add_row("acceptance length", f"{ev['acceptance_length']:.3f} (chain, k={ev['num_draft_tokens']}, "
-              f"{ev['prompts']} held-out prompts, greedy)", secs("evaluate"))
-    t.add_row("acceptance rate per position", " ".join(f"{a:.2f}" for a in ev["acceptance_rate_per_position"]), "")
-    lossless = ("not checked" if not ev["lossless_checked"] else
-                "PASS (token-for-token equal to the target's greedy output)" if ev["lossless_mismatches"] == 0
-                else f"FAIL ({ev['lossless_mismatches']} prompts differ)")
+    tok, tr, ev, ex, exp = s["tokenize"], s["train"], s["evaluate"], s["extract"], s["export"]
+    nan = float("nan")
+    t.add_row("samples (prepared / tokenized)", f"{s['prepare'].samples} / {tok.samples}", secs("prepare"))
+    t.add_row("generated replies", f"{s['generate'].samples} conversations", secs("generate"))
+    t.add_row("tokens (all / assistant)", f"{tok.tokens} / {tok.assistant_tokens}", secs("tokenize"))
+    t.add_row("draft vocabulary", f"{s['vocab'].draft_vocab_size} ids, covers "
+              f"{100 * s['vocab'].assistant_token_coverage:.1f}% of assistant tokens", secs("vocab"))
+    t.add_row("hidden states", f"{ex.tokens} tokens, layers {ex.layer_ids} ({ex.layer_convention}), "
+              f"{ex.bytes_per_token:.0f} bytes/token", secs("extract"))
+    t.add_row("training loss (first -> last)", f"{tr.first_loss if tr.first_loss is not None else nan:.3f} -> "
+              f"{tr.loss if tr.loss is not None else nan:.3f} ({tr.steps} steps)", secs("train"))
+    t.add_row("TTT accuracy per step", " ".join(f"{a:.2f}" for a in tr.acc), "")
+    t.add_row("acceptance length", f"{ev.acceptance_length:.3f} (chain, k={ev.num_draft_tokens}, "
+              f"{ev.prompts} held-out prompts, greedy)", secs("evaluate"))
+    t.add_row("acceptance rate per position", " ".join(f"{a:.2f}" for a in ev.acceptance_rate_per_position), "")
+    lossless = ("not checked" if not ev.lossless_checked else
+                "PASS (token-for-token equal to the target's greedy output)" if ev.lossless_mismatches == 0
+                else f"FAIL ({ev.lossless_mismatches} prompts differ)")
     t.add_row("lossless check", lossless, "")
-    t.add_row("exported drafter (SGLang)", s["export"]["folders"].get("sglang", "-"), secs("export"))
-    if "vllm" in s["export"]["folders"]:
-        t.add_row("exported drafter (vLLM speculators)", s["export"]["folders"]["vllm"], "")
-    if ev.get("speedup_estimate"):
-        t.add_row("speedup estimate", f"{ev['speedup_estimate']:.2f}x (from timed draft, verify and plain target "
+    t.add_row("exported drafter (SGLang)", exp.folders.get("sglang", "-"), secs("export"))
+    if "vllm" in exp.folders:
+        t.add_row("exported drafter (vLLM speculators)", exp.folders["vllm"], "")
+    if ev.speedup_estimate:
+        t.add_row("speedup estimate", f"{ev.speedup_estimate:.2f}x (from timed draft, verify and plain target "
                   "steps)", "")
     out.print(t)
 

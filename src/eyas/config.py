@@ -1,7 +1,10 @@
 """Typed, strict configuration: one section per stage, loaded from YAML with ``key.sub=value`` overrides.
 
-Unknown keys are rejected and every problem is reported at once with its field path (pydantic). A stage receives
-only its own section. Paths are resolved against the current directory; ``pkg:eyas/demo/x.jsonl`` names a file
+Unknown keys are rejected and every problem is reported at once with its field path (pydantic). A stage reads its
+own section and the few other fields it needs (generate renders prompts with ``tokenize.chat_template_kwargs``,
+online training captures with ``extract``'s settings); each stage module declares them (``READS``, see the stage
+runner in ``stages/__init__.py``), its fingerprint covers them, and a test checks the declaration against what the
+stage really reads. Paths are resolved against the current directory; ``pkg:eyas/demo/x.jsonl`` names a file
 shipped inside an installed Python package (used by the embedded demo).
 
 Layer ids in this file always use the "output of layer X" convention (0-based decoder layer whose output is

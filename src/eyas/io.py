@@ -116,8 +116,17 @@ class JsonlAppender:
         self.close()
 
 
+def split_jsonl(data: bytes) -> tuple[list[bytes], bytes]:
+    """``(complete lines, torn tail)`` of a JSONL file's bytes. Every record Eyas appends ends with a newline, so
+    bytes after the last newline are a line torn by a crash mid-write (``b""`` when there is none). Readers that
+    must not modify the file skip or report the tail; :func:`repair_jsonl_tail` cuts it off."""
+    lines = data.split(b"\n")
+    return lines[:-1], lines[-1]
+
+
 def repair_jsonl_tail(path: Path) -> None:
-    """Cut a torn last line (no trailing newline, from a crash mid-write) off a JSONL file."""
+    """Cut a torn last line (no trailing newline, from a crash mid-write) off a JSONL file, durably (fsync)."""
+    path = Path(path)
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
@@ -127,6 +136,8 @@ def repair_jsonl_tail(path: Path) -> None:
         f.seek(0)
         keep = f.read().rfind(b"\n") + 1
         f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:

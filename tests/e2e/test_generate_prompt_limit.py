@@ -51,8 +51,8 @@ def test_turns_over_the_prompt_limit_are_not_generated(tmp_path, stories_dir):
     run_stage(ctx, "prepare")
     run_stage(ctx, "generate")
     out = {json.loads(x)["id"]: json.loads(x) for x in
-           (ctx.stage_dir("generate") / "conversations.jsonl").read_text().splitlines()}
-    report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
+           (ctx.run.generated).read_text().splitlines()}
+    report = json.loads((ctx.run.generate_report).read_text())
     by_source = {c["source"].rsplit(":", 1)[-1]: c for c in out.values()}
     roles = {k: [m["role"] for m in c["messages"]] for k, c in by_source.items()}
     assert roles == {"1": ["user", "assistant"], "2": ["user"], "3": ["user", "assistant"]}

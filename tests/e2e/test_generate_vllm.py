@@ -60,13 +60,13 @@ def test_generate_through_vllm_turn_by_turn(vllm_server, shared, tmp_path):  # n
     ]
     ctx = _ctx(_config(tmp_path, shared, vllm_server, sources))
     run_stage(ctx, "prepare")
-    prepared = {d["id"]: d for d in _lines(ctx.stage_dir("prepare") / "conversations.jsonl")}
+    prepared = {d["id"]: d for d in _lines(ctx.run.prepared)}
     summary = run_stage(ctx, "generate")
-    out = _lines(ctx.stage_dir("generate") / "conversations.jsonl")
-    report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
+    out = _lines(ctx.run.generated)
+    report = json.loads((ctx.run.generate_report).read_text())
 
     ids = [d["id"] for d in out]
-    assert len(ids) == len(set(ids)) == summary["samples"] == report["samples"]
+    assert len(ids) == len(set(ids)) == summary.samples == report["samples"]
     assert set(ids) <= set(prepared)
     assert report["served_model"] == vllm_server.model
     # every conversation the server did not refuse is written; refusals are counted with the server's reason
@@ -120,8 +120,8 @@ def test_generate_killed_mid_run_resumes_without_duplicates(vllm_server, shared,
     cfg_path.write_text(yaml.safe_dump(raw))
     ctx = _ctx(raw)
     run_stage(ctx, "prepare")
-    prepared = [d["id"] for d in _lines(ctx.stage_dir("prepare") / "conversations.jsonl")]
-    out_path = ctx.stage_dir("generate") / "conversations.jsonl"
+    prepared = [d["id"] for d in _lines(ctx.run.prepared)]
+    out_path = ctx.run.generated
     eyas = [sys.executable, "-m", "eyas.cli", "generate", str(cfg_path)]
 
     proc = subprocess.Popen(eyas, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
@@ -138,7 +138,7 @@ def test_generate_killed_mid_run_resumes_without_duplicates(vllm_server, shared,
     before = out_path.read_bytes()
     done_before = _lines(out_path) if before.endswith(b"\n") else _lines(out_path)[:-1]
     assert 5 <= len(done_before) < len(prepared)
-    assert not (ctx.stage_dir("generate") / "done.json").exists()
+    assert not (ctx.run.done("generate")).exists()
 
     res = subprocess.run(eyas, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -148,7 +148,7 @@ def test_generate_killed_mid_run_resumes_without_duplicates(vllm_server, shared,
     assert len(ids) == len(set(ids)) == len(prepared)  # nothing twice, nothing missing
     assert set(ids) == set(prepared)
     assert after[: len(done_before)] == done_before  # finished work untouched
-    report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
+    report = json.loads((ctx.run.generate_report).read_text())
     assert report["resumed_from"] == len(done_before)
 
 
@@ -160,10 +160,10 @@ def test_max_prompt_tokens_ends_conversations_before_long_prompts(vllm_server, s
     sources = [{"path": str(shared / "data" / "eval" / "mt_bench.jsonl"), "max_rows": 10}]
     ctx = _ctx(_config(tmp_path, shared, vllm_server, sources, max_prompt_tokens=limit))
     run_stage(ctx, "prepare")
-    prepared = {d["id"]: d for d in _lines(ctx.stage_dir("prepare") / "conversations.jsonl")}
+    prepared = {d["id"]: d for d in _lines(ctx.run.prepared)}
     run_stage(ctx, "generate")
-    out = _lines(ctx.stage_dir("generate") / "conversations.jsonl")
-    report = json.loads((ctx.stage_dir("generate") / "report.json").read_text())
+    out = _lines(ctx.run.generated)
+    report = json.loads((ctx.run.generate_report).read_text())
     tok = load_tokenizer(ctx.cfg.target)
 
     def n_tokens(msgs):

@@ -48,11 +48,11 @@ def test_every_stage_on_stories260k(tmp_path, shared):
     ctx = _ctx(_config(tmp_path, shared), logs)
     s = {stage: run_stage(ctx, stage) for stage in STAGES}
     run = tmp_path / "run"
-    assert s["prepare"]["samples"] == 24
-    assert s["tokenize"]["samples"] == 24 and s["tokenize"]["assistant_tokens"] > 0
-    assert s["extract"]["layer_ids"] == [1, 2, 3] and s["extract"]["samples"] == 24
+    assert s["prepare"].samples == 24
+    assert s["tokenize"].samples == 24 and s["tokenize"].assistant_tokens > 0
+    assert s["extract"].layer_ids == [1, 2, 3] and s["extract"].samples == 24
     assert len(list((run / "extract" / "store" / "shards").iterdir())) > 1  # several shards were committed
-    assert s["train"]["loss"] < s["train"]["first_loss"]  # it learns
+    assert s["train"].loss < s["train"].first_loss  # it learns
     ev = json.loads((run / "evaluate" / "results.json").read_text())
     assert ev["lossless_mismatches"] == 0 and ev["prompts"] == 6
     assert ev["acceptance_length"] >= 1.0

@@ -49,23 +49,23 @@ def test_offline_equals_online_and_init_from(tmp_path, shared):
     on = _run(_config(tmp_path, shared, "on", mode="online"), ["prepare", "generate", "tokenize", "vocab", "train"])
     assert not (tmp_path / "on" / "extract").exists()          # nothing stored
     a, b = _rows(tmp_path / "off"), _rows(tmp_path / "on")
-    assert len(a) == len(b) == off["train"]["steps"] > 2
+    assert len(a) == len(b) == off["train"].steps > 2
     for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5, abs=1e-6)
         assert [rb[f"count_{k}"] for k in range(3)] == [ra[f"count_{k}"] for k in range(3)]
     assert b[-1]["eval_loss"] == pytest.approx(a[-1]["eval_loss"], rel=1e-5)
-    assert on["train"]["mode"] == "online" and off["train"]["loss"] < off["train"]["first_loss"]
+    assert on["train"].mode == "online" and off["train"].loss < off["train"].first_loss
 
     # fine-tune the trained drafter (Eyas format) in a run whose own vocabulary differs: the drafter's d2t stays
     final = tmp_path / "off" / "train" / "final"
     d2t = load_file(str(final / "draft.safetensors"))["d2t"]
     ft = _run(_config(tmp_path, shared, "ft", 150, epochs=1), ["prepare", "generate", "tokenize", "vocab", "extract"])
-    assert ft["vocab"]["draft_vocab_size"] == 150
+    assert ft["vocab"].draft_vocab_size == 150
     s = _run(_config(tmp_path, shared, "ft", 150, epochs=1, init_from=str(final)), ["train"])
     got = load_file(str(tmp_path / "ft" / "train" / "final" / "draft.safetensors"))
     assert got["d2t"].shape == (200,) and (got["d2t"] == d2t).all()
     # it starts from the trained drafter: its first loss is near where the first run ended, far under a fresh one
-    assert s["train"]["first_loss"] < 0.5 * (off["train"]["first_loss"] + off["train"]["loss"])
+    assert s["train"].first_loss < 0.5 * (off["train"].first_loss + off["train"].loss)
 
     # the SGLang-format export of the same drafter loads too
     _run(_config(tmp_path, shared, "off"), ["export"])
@@ -106,7 +106,7 @@ def test_train_stage_under_two_processes(tmp_path, shared):
         port = s.getsockname()[1]
     mp.start_processes(_stage_worker, args=(2, port, str(cfg2)), nprocs=2, join=True, start_method="fork")
     done = json.loads((tmp_path / "two" / "train" / "done.json").read_text())["summary"]
-    assert done["steps"] == one["train"]["steps"] and done["loss"] == pytest.approx(one["train"]["loss"], rel=1e-5)
+    assert done["steps"] == one["train"].steps and done["loss"] == pytest.approx(one["train"].loss, rel=1e-5)
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
     w1 = load_file(str(tmp_path / "one" / "train" / "final" / "draft.safetensors"))

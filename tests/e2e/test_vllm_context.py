@@ -50,9 +50,9 @@ def run(tmp_path_factory, shared, stories_dir):
 def test_full_vocabulary_drafter_is_exported_as_vllm_loads_it(run):
     from safetensors import safe_open
 
-    assert json.loads((run.stage_dir("vocab") / "vocab.json").read_text())["draft_vocab_size"] == 512
+    assert json.loads((run.run.vocab_info).read_text())["draft_vocab_size"] == 512
     for fmt in ("sglang", "vllm"):
-        with safe_open(str(run.stage_dir("export") / fmt / "model.safetensors"), framework="pt") as f:
+        with safe_open(str(run.run.export(fmt) / "model.safetensors"), framework="pt") as f:
             assert "d2t" not in f.keys() and "t2d" in f.keys()
 
 
@@ -60,7 +60,7 @@ def test_evaluate_with_vllm_serves_the_targets_own_context(run):
     # Before: vLLM was asked for max_model_len 2048 and refused this 512-position target; and the folders carried
     # a d2t that vLLM's full-vocabulary draft has no parameter for.
     s = run_stage(run, "evaluate")
-    assert s["engine"] == "vllm" and s["prompts"] == 2 and s["acceptance_length"] >= 1.0
+    assert s.engine == "vllm" and s.prompts == 2 and s.acceptance_length >= 1.0
 
 
 def test_vllm_loads_the_full_vocabulary_speculators_folder(run):
@@ -71,7 +71,7 @@ def test_vllm_loads_the_full_vocabulary_speculators_folder(run):
 
     with open(run.cfg.evaluate.prompts[0].path) as f:
         prompts = [json.loads(next(f))["question"] for _ in range(2)]
-    r = run_vllm(materialize_target(run.cfg.target), run.stage_dir("export") / "vllm", {"q": [[p] for p in prompts]},
+    r = run_vllm(materialize_target(run.cfg.target), run.run.export("vllm"), {"q": [[p] for p in prompts]},
                  num_speculative_tokens=3, max_new_tokens=8, eos_ids=[2], dtype="float32", max_model_len=512,
                  timeout_s=900)["q"]
     assert r["drafts"] > 0 and len(r["outputs"]) == 2

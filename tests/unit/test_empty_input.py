@@ -4,6 +4,8 @@ The target is stories260K (its tokenizer only: these stages run no model)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import pytest
@@ -60,7 +62,7 @@ def test_a_source_that_yields_nothing_is_reported(tmp_path, stories_dir, shared)
     empty.write_text("")
     logs: list[str] = []
     s = run_stage(_ctx(tmp_path, stories_dir, [good, empty], logs), "prepare")
-    assert s["samples"] == 4
+    assert s.samples == 4
     report = json.loads((tmp_path / "run" / "prepare" / "report.json").read_text())
     assert report["empty_sources"] == [str(empty)]
     assert any("warning: source yielded no conversation" in m and str(empty) in m for m in logs), logs
@@ -110,6 +112,6 @@ def test_later_stages_refuse_an_empty_input(tmp_path, stories_dir, shared, empti
     for s in ("prepare", "generate", "tokenize"):
         run_stage(ctx, s)
     (tmp_path / "run" / emptied).write_text("")
-    ctx.force, ctx.extra["force_stages"] = True, {stage}   # redo `stage` on its emptied input
+    ctx = replace(ctx, force=True, redo=frozenset({stage}))   # redo `stage` on its emptied input
     with pytest.raises(DataError, match="holds no|no assistant"):
         run_stage(ctx, stage)

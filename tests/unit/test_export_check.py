@@ -9,25 +9,26 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import draft_config, tiny_draft
 
-from eyas.export.check import MANIFEST, check_folder, engine_layer_ids, load_draft_folder
+from eyas.drafter import drafter_weights, load_drafter
+from eyas.export.check import MANIFEST, check_folder
+from eyas.export.keys import VLLM_KEYS
+from eyas.export.layouts import engine_layer_ids
 from eyas.export.sglang import write_sglang
-from eyas.export.vllm import VLLM_KEYS, write_vllm
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
+from eyas.export.vllm import write_vllm
 
 TARGET = {"num_hidden_layers": 10, "hidden_size": 16, "vocab_size": 99, "rope_theta": 10000.0,
           "architectures": ["LlamaForCausalLM"], "eos_token_id": 2}
 TRAINED = [1, 4, 6]     # output_of_layer
 
 
+def _drafter(m, layer_ids=TRAINED):
+    return drafter_weights(m, layer_ids, "output_of_layer")
+
+
 def _model():
-    torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=23, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=4, target_hidden_size=16, vocab_size=99, draft_vocab_size=13)
-    m = Eagle3DraftModel(cfg)
-    m.d2t.copy_(torch.arange(13) * 2)          # target ids 0, 3, 6, ... : offsets i*3 - i
-    m.t2d[torch.arange(13) * 3] = True
-    return m
+    return tiny_draft(draft_config(), seed=0, draft_ids=torch.arange(13) * 3)   # target ids 0, 3, 6, ...
 
 
 def _errors(rep, engine):
@@ -36,7 +37,7 @@ def _errors(rep, engine):
 
 def test_vllm_speculators_folder(tmp_path):
     m = _model()
-    write_vllm(tmp_path, m, TRAINED, "output_of_layer", TARGET, verifier="/models/target", num_speculative_tokens=4)
+    write_vllm(tmp_path, _drafter(m), TARGET, verifier="/models/target", num_speculative_tokens=4)
     st = load_file(str(tmp_path / "model.safetensors"))
     assert set(st) == VLLM_KEYS and "layers.0.self_attn.q_proj.weight" in st
     assert st["d2t"].dtype == torch.int64
@@ -52,13 +53,13 @@ def test_vllm_speculators_folder(tmp_path):
     assert not rep.errors("vllm"), rep.to_text()
     assert rep.captured["vllm"] == [2, 5, 7]
     assert _errors(rep, "sglang")                       # SGLang cannot load this layout: said so
-    m2, ids = load_draft_folder(tmp_path, m.embed_tokens.weight.detach())
-    assert ids == TRAINED
+    m2, dcfg = load_drafter(tmp_path, m.embed_tokens.weight.detach())
+    assert dcfg.layer_ids("output_of_layer") == TRAINED
     torch.testing.assert_close(m2.midlayer.self_attn.q_proj.weight, m.midlayer.self_attn.q_proj.weight.bfloat16().float())
 
 
 def test_sglang_folder_is_read_alike_by_both_engines(tmp_path):
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(_model()), TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]   # SGLang adds 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]                  # vLLM reads as is
@@ -68,7 +69,7 @@ def test_sglang_folder_is_read_alike_by_both_engines(tmp_path):
 
 
 def test_sglang_folder_without_top_level_ids_is_misread_by_vllm(tmp_path):
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(_model()), TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]     # what other trainers write
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -85,7 +86,7 @@ def test_sglang_folder_without_top_level_ids_is_misread_by_vllm(tmp_path):
 def test_shifted_export_is_caught_with_the_manifest(tmp_path):
     # exported with the ids off by one (the hf_index ids passed as output_of_layer): the manifest says what the
     # drafter was trained on, so the check names the shift.
-    write_vllm(tmp_path, _model(), [2, 5, 7], "output_of_layer", TARGET, verifier="t")
+    write_vllm(tmp_path, _drafter(_model(), [2, 5, 7]), TARGET, verifier="t")
     (tmp_path / MANIFEST).write_text(json.dumps({"aux_layer_ids": TRAINED, "layer_convention": "output_of_layer"}))
     rep = check_folder(tmp_path, TARGET)
     msgs = _errors(rep, "vllm")
@@ -94,7 +95,7 @@ def test_shifted_export_is_caught_with_the_manifest(tmp_path):
 
 def test_misread_fields_are_flagged(tmp_path):
     m = _model()
-    write_vllm(tmp_path, m, TRAINED, "output_of_layer", TARGET, verifier="t")
+    write_vllm(tmp_path, _drafter(m), TARGET, verifier="t")
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["norm_before_residual"]
     cfg["speculators_config"]["verifier"] = {}
@@ -116,7 +117,7 @@ def test_misread_fields_are_flagged(tmp_path):
 def test_d2t_that_holds_target_ids_is_flagged(tmp_path):
     m = _model()
     m.d2t.copy_(torch.arange(13) * 3 + 60)       # target ids written where offsets belong: maps past 99
-    write_sglang(tmp_path, m, TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(m), TARGET)
     rep = check_folder(tmp_path, TARGET)
     assert any("d2t" in e for e in _errors(rep, "vllm")), rep.to_text()
 
@@ -135,7 +136,7 @@ def test_vllm_reads_our_speculators_config_as_written(tmp_path):
     pytest.importorskip("vllm")
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-    write_vllm(tmp_path, _model(), TRAINED, "output_of_layer", TARGET, verifier="/models/target",
+    write_vllm(tmp_path, _drafter(_model()), TARGET, verifier="/models/target",
                num_speculative_tokens=4)
     raw = json.loads((tmp_path / "config.json").read_text())
     spec = SpeculatorsConfig.extract_vllm_speculative_config(raw)
@@ -149,25 +150,20 @@ def test_vllm_reads_our_speculators_config_as_written(tmp_path):
 # ---- issue 12, kind 4: what each engine loads, checked the way each engine reads it ----
 
 def _full_vocab_model():
-    torch.manual_seed(0)
-    cfg = Eagle3Config(hidden_size=16, intermediate_size=23, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=4, target_hidden_size=16, vocab_size=99, draft_vocab_size=99)
-    m = Eagle3DraftModel(cfg)
-    m.t2d[:] = True
-    return m
+    return tiny_draft(draft_config(draft_vocab=99), seed=0, draft_ids=torch.arange(99))
 
 
 def test_full_vocabulary_draft_is_exported_without_d2t_and_checked_so(tmp_path):
     # vLLM builds no d2t parameter when the draft vocabulary is the target's, and raises on one in the weights.
     m = _full_vocab_model()
-    write_sglang(tmp_path / "sglang", m, TRAINED, "output_of_layer", TARGET)
-    write_vllm(tmp_path / "vllm", m, TRAINED, "output_of_layer", TARGET, verifier="t")
+    write_sglang(tmp_path / "sglang", _drafter(m, TRAINED), TARGET)
+    write_vllm(tmp_path / "vllm", _drafter(m, TRAINED), TARGET, verifier="t")
     for fmt, engine in (("sglang", "both"), ("vllm", "vllm")):
         assert "d2t" not in load_file(str(tmp_path / fmt / "model.safetensors"))
         rep = check_folder(tmp_path / fmt, TARGET, TRAINED)
         assert rep.ok_for(engine), rep.to_text()
-        m2, ids = load_draft_folder(tmp_path / fmt, m.embed_tokens.weight.detach())
-        assert ids == TRAINED and not m2.d2t.any()          # identity map
+        m2, dcfg = load_drafter(tmp_path / fmt, m.embed_tokens.weight.detach())
+        assert dcfg.layer_ids("output_of_layer") == TRAINED and not m2.d2t.any()          # identity map
     # the converse: a full-vocabulary folder that still carries d2t is refused for vLLM, not for SGLang
     st = load_file(str(tmp_path / "sglang" / "model.safetensors"))
     st["d2t"] = torch.zeros(99, dtype=torch.int64)
@@ -178,7 +174,7 @@ def test_full_vocabulary_draft_is_exported_without_d2t_and_checked_so(tmp_path):
 
 
 def test_every_field_the_engines_take_from_the_draft_is_compared_with_the_target(tmp_path):
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)     # max_position_embeddings 4096
+    write_sglang(tmp_path, _drafter(_model(), TRAINED), TARGET)     # max_position_embeddings 4096
     assert check_folder(tmp_path, {**TARGET, "max_position_embeddings": 4096}, TRAINED).ok
     rep = check_folder(tmp_path, {**TARGET, "max_position_embeddings": 8192, "vocab_size": 12,
                                   "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, TRAINED)
@@ -195,8 +191,8 @@ def test_check_exit_status_follows_the_engines_asked(tmp_path):
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(TARGET))
-    write_vllm(tmp_path / "vllm", _model(), TRAINED, "output_of_layer", TARGET, verifier="t")
-    write_sglang(tmp_path / "sglang", _model(), TRAINED, "output_of_layer", TARGET)
+    write_vllm(tmp_path / "vllm", _drafter(_model(), TRAINED), TARGET, verifier="t")
+    write_sglang(tmp_path / "sglang", _drafter(_model(), TRAINED), TARGET)
 
     def status(folder, *engine):
         args = ["export", "--check", str(tmp_path / folder), "--target", str(tmp_path / "target"), *engine]
@@ -213,7 +209,7 @@ def test_check_exit_status_follows_the_engines_asked(tmp_path):
 def test_layer_fix_hint_does_not_move_both_engines_one_layer_late(tmp_path):
     # A folder whose eagle_config holds the engines' default in hf_index ([2, 5, 7], vLLM's convention), and no
     # top-level ids: vLLM reads them right, SGLang adds 1. The hint must move SGLang back, not vLLM forward.
-    write_sglang(tmp_path, _model(), TRAINED, "output_of_layer", TARGET)
+    write_sglang(tmp_path, _drafter(_model(), TRAINED), TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 5, 7]

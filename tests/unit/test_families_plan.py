@@ -8,7 +8,9 @@ import torch
 
 from eyas.config import DraftConfig
 from eyas.errors import ConfigError
-from eyas.export.sglang import check_sglang_keys, load_sglang_draft, write_sglang
+from eyas.drafter import drafter_weights, load_drafter
+from eyas.export.keys import check_keys
+from eyas.export.sglang import write_sglang
 from eyas.families import (
     FAMILIES,
     GENERIC,
@@ -92,12 +94,13 @@ def test_narrower_draft_keeps_its_own_embedding_through_export_and_load(tmp_path
     assert model.embed_tokens.weight.shape == (V, H) and model.embed_tokens.weight.requires_grad
     torch.testing.assert_close(model.embed_tokens.weight.detach(), projected_embedding(embed, H))
     state = model.trainable_state_dict()
-    assert state["embed_tokens.weight"].shape == (V, H) and check_sglang_keys(state, cfg) == []
-    assert check_sglang_keys({k: v for k, v in state.items() if k != "embed_tokens.weight"}, cfg) == [
+    assert state["embed_tokens.weight"].shape == (V, H) and check_keys(state, cfg, "sglang") == []
+    assert check_keys({k: v for k, v in state.items() if k != "embed_tokens.weight"}, cfg, "sglang") == [
         "missing embed_tokens.weight"]
-    out = write_sglang(tmp_path / "sglang", model, [1, 3, 4], "output_of_layer", target, dtype=torch.float32)
-    loaded, layer_ids = load_sglang_draft(out, embed)  # the target's table is not used for this draft
-    assert layer_ids == [1, 3, 4]
+    out = write_sglang(tmp_path / "sglang", drafter_weights(model, [1, 3, 4], "output_of_layer"), target,
+                       dtype=torch.float32)
+    loaded, dcfg = load_drafter(out, engine="sglang")  # no target table needed: this draft has its own
+    assert dcfg.layer_ids("output_of_layer") == [1, 3, 4] and dcfg.own_embedding
     torch.testing.assert_close(loaded.embed_tokens.weight, model.embed_tokens.weight.detach())
     aux = torch.randn(1, 5, 3 * Ht)
     tok = torch.randint(0, V, (1, 5))

@@ -55,16 +55,16 @@ def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp
     ctx = RunContext(cfg=cfg, log=lambda m: None)
     # what prepare writes, without loading a tokenizer for its report
     convs = [c.to_json() for c in load_source(src, SkipCounter(), {})]
-    (ctx.stage_dir("prepare")).mkdir(parents=True)
-    (ctx.stage_dir("prepare") / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    ctx.run.stage("prepare").mkdir(parents=True)
+    (ctx.run.prepared).write_text("".join(json.dumps(c) + "\n" for c in convs))
     first = convs[0]
-    out = ctx.stage_dir("generate") / "conversations.jsonl"
+    out = ctx.run.generated
     out.parent.mkdir(parents=True)
     out.write_text(json.dumps(first) + "\n")  # finished by an earlier run
     with pytest.raises(ServerError, match=url.replace(".", r"\.")):
         run_stage(ctx, "generate")
     assert [d for _, d in iter_jsonl(out)] == [first]
-    assert not (ctx.stage_dir("generate") / "done.json").exists()
+    assert not (ctx.run.done("generate")).exists()
 
 
 def test_requests_keep_special_tokens_the_target_emits():

@@ -7,7 +7,7 @@ import torch
 
 from eyas.errors import ConfigError, StoreError
 from eyas.families import convert_layer_ids, default_aux_layer_ids
-from eyas.stages.vocab import build_draft_vocab, maps_from_ids
+from eyas.data.vocab import build_draft_vocab, maps_from_ids
 from eyas.store import HiddenStateStore, StoreHeader
 
 

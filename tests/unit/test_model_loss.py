@@ -3,15 +3,14 @@
 import pytest
 import torch
 
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel, KVCache
+from tiny import draft_config
+
+from eyas.model.eagle3 import Eagle3DraftModel, KVCache
 from eyas.train.loss import target_labels, ttt_loss
 
 
-def _cfg(**kw):
-    base = dict(hidden_size=24, intermediate_size=37, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
-                target_hidden_size=24, vocab_size=99, draft_vocab_size=31, rms_norm_eps=1e-6)
-    base.update(kw)
-    return Eagle3Config(**base)
+def _cfg():
+    return draft_config(hidden=24, intermediate=37, heads=4, kv_heads=2, head_dim=6, vocab=99, draft_vocab=31)
 
 
 def test_forward_shapes_and_export_keys():

@@ -6,7 +6,6 @@ llama_eagle3.py / llama.py / interfaces.py (see the comments there)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import yaml
@@ -49,7 +48,7 @@ def test_last_layer_output_is_refused_for_sglang_before_any_work(tmp_path, stori
     assert not (tmp_path / "run" / "prepare" / "conversations.jsonl").exists()
     # vLLM 0.32 also captures after the last layer: a vLLM-only export may use it.
     ctx = _stories_run(tmp_path, stories_dir, shared, extract={"layer_ids": [1, 2, 4]}, export={"formats": ["vllm"]})
-    assert run_stage(ctx, "prepare")["samples"] == 3
+    assert run_stage(ctx, "prepare").samples == 3
 
 
 def test_draft_vocabulary_above_the_targets_is_refused_at_prepare(tmp_path, stories_dir, shared):

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import tiny_target
 
 from eyas.capture import CaptureBackend
-from eyas.capture.transformers_backend import TransformersBackend, token_budget_batches
+from eyas.batching import token_budget_batches
+from eyas.capture.transformers_backend import TransformersBackend
 from eyas.records import TokenizedSample
 from eyas.store.fp8 import dequantize_fp8
 
@@ -14,11 +15,7 @@ LAYERS = [0, 2, 4]  # output_of_layer ids of a 6-layer target
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = LlamaConfig(hidden_size=36, intermediate_size=70, num_hidden_layers=6, num_attention_heads=3,
-                      num_key_value_heads=1, head_dim=12, vocab_size=99, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_target(hidden=36, layers=6, heads=3, kv_heads=1, head_dim=12, vocab=99)
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +131,7 @@ def test_extract_stores_only_what_it_asked_for(model, samples, tmp_path, monkeyp
     from eyas.capture import make_backend
     from eyas.config import RunConfig
     from eyas.errors import StoreError
-    from eyas.stages import RunContext, extract
-    from eyas.store import HiddenStateStore, StoreHeader
+    from eyas.store import HiddenStateStore, StoreHeader, extraction
 
     model.save_pretrained(tmp_path / "target")
     cfg = RunConfig.model_validate({
@@ -145,8 +141,8 @@ def test_extract_stores_only_what_it_asked_for(model, samples, tmp_path, monkeyp
     header = StoreHeader(run_id="r", target={}, tokenizer={}, layer_ids=LAYERS, layer_convention="output_of_layer",
                          last_hidden="post_norm", hidden_size=36, dtype="float32", engine={"name": "transformers"})
     store = HiddenStateStore.create_or_open(tmp_path / "store", header)
-    monkeypatch.setattr(extract, "make_backend",
+    monkeypatch.setattr(extraction, "make_backend",
                         lambda *a, **k: _WithExtraRequest(make_backend(*a, **k), sample_id, token_shift))
     with pytest.raises(StoreError, match=message):
-        extract.extract_missing(RunContext(cfg=cfg, log=lambda m: None), store, samples)
+        extraction.extract_missing(cfg.target, cfg.extract, store, samples, log=lambda m: None)
     assert len(HiddenStateStore.open(tmp_path / "store")) == 0  # nothing reached the store

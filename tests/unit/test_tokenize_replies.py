@@ -29,7 +29,7 @@ def test_replies_the_template_changes_are_skipped_and_counted(tmp_path, stories_
     for stage in ("prepare", "generate"):
         run_stage(ctx, stage)
     s = run_stage(ctx, "tokenize")
-    assert s["samples"] == 1 and s["skipped"] == 2
+    assert s.samples == 1 and s.skipped == 2
     meta = json.loads((tmp_path / "run" / "tokenize" / "meta.json").read_text())
     assert meta["skips"]["by_reason"] == {
         "reply changed by the chat template: a token crosses the reply's text and the template's around it": 1,

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import draft_config, set_vocab, tiny_draft
 
 from eyas.config import TrainConfig
 from eyas.errors import EyasError
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
+from eyas.model.eagle3 import Eagle3DraftModel
 from eyas.train.data import collate, epoch_plan
 from eyas.train.loop import train
 from eyas.train.loss import target_labels, ttt_loss
@@ -22,7 +23,7 @@ V, DV, HT = 99, 31, 24
 
 
 class ToySet:
-    """In-memory samples shaped like :class:`eyas.train.data.StoreDataset` items (random states, odd lengths)."""
+    """In-memory samples shaped like :class:`eyas.train.data.SampleDataset` items (random states, odd lengths)."""
 
     def __init__(self, n: int, seed: int, nan_sample: int | None = None):
         g = torch.Generator().manual_seed(seed)
@@ -48,16 +49,12 @@ class ToySet:
 
 
 def toy_model(seed: int = 0) -> tuple[Eagle3DraftModel, torch.Tensor]:
-    torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=HT, intermediate_size=37, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=6, target_hidden_size=HT, vocab_size=V, draft_vocab_size=DV)
-    m = Eagle3DraftModel(cfg)
-    draft_ids = torch.randperm(V)[:DV].sort().values
+    m = tiny_draft(draft_config(hidden=HT, intermediate=37, heads=4, kv_heads=2, head_dim=6, vocab=V, draft_vocab=DV),
+                   seed=seed)
+    set_vocab(m, torch.randperm(V)[:DV].sort().values)
     target = torch.Generator().manual_seed(12345)          # the "target's" tables do not depend on the seed
     with torch.no_grad():
         m.embed_tokens.weight.copy_(torch.randn(V, HT, generator=target))
-        m.d2t.copy_(draft_ids - torch.arange(DV))
-        m.t2d[draft_ids] = True
     return m, torch.randn(V, HT, generator=target) * 2
 
 
@@ -220,3 +217,50 @@ def test_wandb_asked_for_but_missing_warns(tmp_path):
     with pytest.warns(UserWarning, match="wandb is not installed"):
         train(m, ToySet(2, seed=9), head, toy_cfg(wandb_project="eyas-test"), tmp_path, torch.device("cpu"), {},
               log=lambda s: None)
+
+
+# ---------------------------------------------------------------- train.autocast, train.compile
+
+
+def test_autocast_bfloat16_runs_the_draft_in_bf16_and_keeps_the_loss(tmp_path):
+    data = ToySet(6, seed=10)
+    runs = {}
+    for mode in ("none", "bfloat16"):
+        m, head = toy_model()
+        seen: set = set()
+        m.fc.register_forward_hook(lambda mod, inp, out: seen.add(out.dtype))
+        train(m, data, head, toy_cfg(autocast=mode, epochs=2), tmp_path / mode, torch.device("cpu"), {},
+              log=lambda s: None)
+        runs[mode] = (_losses(tmp_path / mode), seen)
+    (fp32, seen32), (bf16, seen16) = runs["none"], runs["bfloat16"]
+    assert seen32 == {torch.float32} and seen16 == {torch.bfloat16}   # autocast reached the draft's matmuls
+    assert [s for s, _ in bf16] == [s for s, _ in fp32] and bf16 != fp32
+    assert [x for _, x in bf16] == pytest.approx([x for _, x in fp32], rel=0.05)   # same run, bf16 rounding
+
+
+def test_compile_compiles_the_step_parts_and_the_loss_and_keeps_the_numbers(tmp_path, monkeypatch):
+    """train.compile wraps the TTT step's parts and the loss chunks in torch.compile; traced by dynamo (backend
+    'eager' here: no C++ toolchain needed), the run gives the uncompiled run's losses."""
+    from eyas.train import loss as loss_module
+
+    real_compile, compiled = torch.compile, []
+
+    def tracing_compile(fn, **kw):
+        compiled.append(fn.__name__)
+        return real_compile(fn, **{**kw, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", tracing_compile)
+    loss_module._soft_ce_kernel.cache_clear()
+    try:
+        data = ToySet(5, seed=11)
+        for on in (False, True):
+            m, head = toy_model()
+            train(m, data, head, toy_cfg(compile=on), tmp_path / str(on), torch.device("cpu"), {},
+                  log=lambda s: None)
+    finally:
+        loss_module._soft_ce_kernel.cache_clear()
+        torch._dynamo.reset()
+    assert sorted(compiled) == ["_soft_ce_chunk", "ttt_in", "ttt_out"]
+    eager, comp = _losses(tmp_path / "False"), _losses(tmp_path / "True")
+    assert [s for s, _ in comp] == [s for s, _ in eager]
+    assert [x for _, x in comp] == pytest.approx([x for _, x in eager], rel=1e-5)

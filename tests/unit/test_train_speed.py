@@ -71,7 +71,7 @@ def test_stop_after_no_gain_ends_the_run(tmp_path):
 def test_draft_vocabulary_sized_by_coverage():
     from collections import Counter
 
-    from eyas.stages.vocab import coverage_curve, size_for_coverage
+    from eyas.data.vocab import coverage_curve, size_for_coverage
 
     counts = Counter({t: 1000 // (t + 1) for t in range(500)})     # Zipf-like
     curve = coverage_curve(counts, [64, 128, 500])

@@ -16,17 +16,17 @@ import math
 
 import pytest
 import torch
+from tiny import draft_config
 
 from eyas.model.attention import ATTENTION, flex_available, flex_block_mask, ttt_mask
-from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
+from eyas.model.eagle3 import Eagle3DraftModel
 from eyas.train.loss import target_labels, ttt_loss, ttt_loss_fused
 
 THETA = 10000.0
 
 
 def _cfg():
-    return Eagle3Config(hidden_size=20, intermediate_size=33, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=6, target_hidden_size=20, vocab_size=53, draft_vocab_size=17, rms_norm_eps=1e-6,
+    return draft_config(hidden=20, intermediate=33, heads=4, kv_heads=2, head_dim=6, vocab=53, draft_vocab=17,
                         rope_parameters={"rope_type": "default", "rope_theta": THETA})
 
 

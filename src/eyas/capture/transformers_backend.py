@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import token_budget_batches
+from ..dtypes import DTYPES
 from ..records import TokenizedSample
 from ..store.fp8 import quantize_fp8
 from . import CapturedSample
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -43,26 +43,6 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
     if layers is None:
         raise TypeError(f"{type(model).__name__}: cannot find its decoder layers (expected model.model.layers)")
     return layers
-
-
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
-    """Group sample indices into batches of at most ``batch_tokens`` padded tokens, longest first.
-
-    Sorting (stable: ties keep their order) keeps padding small; a sample longer than the budget forms a batch of
-    its own. A batch is cut when its first (longest) sample's length times its size would exceed the budget, so
-    feeding back the samples of any subset of whole batches, in batch order, reproduces exactly those batches
-    (the extract stage relies on it: a resumed run computes bit-identical states).
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batch: list[int] = []
-    for i in order:
-        width = lengths[batch[0]] if batch else lengths[i]
-        if batch and width * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 @dataclass
@@ -231,7 +211,6 @@ def make_backend(target_cfg, extract_cfg, layer_ids: list[int], device: str | No
     from transformers import AutoModel
 
     from ..targets.load import materialize_target, resolve_device
-    from ..store.shards import DTYPES as STORE_DTYPES
 
     path = materialize_target(target_cfg)
     dev = resolve_device(device or target_cfg.device)
@@ -243,7 +222,7 @@ def make_backend(target_cfg, extract_cfg, layer_ids: list[int], device: str | No
         model = AutoModel.from_pretrained(path, **kwargs).to(dev)
     model.eval().requires_grad_(False)
     return TransformersBackend(model, layer_ids, batch_tokens=extract_cfg.batch_tokens,
-                               store_dtype=STORE_DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
+                               store_dtype=DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
                                engine=engine_info(target_cfg, extract_cfg, dev))
 
 

@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError, EyasError
 from ..families import convert_layer_ids
 from ..io import atomic_path
 from ..records import TokenizedSample
 from . import CapturedSample
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONNECTOR = {"kv_connector": "EyasHiddenStatesConnector", "kv_connector_module_path": "eyas.capture.vllm_connector",
              "kv_role": "kv_producer"}
 LAST_HIDDEN_NOTE = "vLLM hf_index N (pre-norm) + the target's final norm applied by eyas"
@@ -403,14 +403,13 @@ def make_backend(target_cfg, extract_cfg, layer_ids: list[int], device: str | No
     """A :class:`VllmBackend` for the configured target (``extract.*`` settings). vLLM picks its own devices
     (``CUDA_VISIBLE_DEVICES``; ``tensor_parallel_size`` in ``extract.vllm_engine_args``), so a torchrun data-parallel
     launch is refused: raises :class:`ConfigError` when ``WORLD_SIZE`` > 1 or ``extract.device_map`` is set."""
-    from ..store.shards import DTYPES as STORE_DTYPES
     from ..targets.load import materialize_target
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or getattr(extract_cfg, "device_map", None):
         raise ConfigError("extract.backend: vllm runs one engine (use tensor_parallel_size in "
                           "extract.vllm_engine_args), not torchrun data parallelism or extract.device_map")
     return VllmBackend(materialize_target(target_cfg), layer_ids, compute_dtype=_compute_dtype(target_cfg, extract_cfg),
-                       store_dtype=STORE_DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
+                       store_dtype=DTYPES[extract_cfg.dtype], aux_format=extract_cfg.aux_format,
                        batch_tokens=extract_cfg.batch_tokens,
                        engine_args=getattr(extract_cfg, "vllm_engine_args", None),
                        trust_remote_code=target_cfg.trust_remote_code)

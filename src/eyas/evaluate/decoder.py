@@ -428,11 +428,6 @@ def target_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids:
     return run
 
 
-def target_greedy(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """The target's own greedy continuation, cut like :func:`speculative_generate`."""
-    return target_generate(target, prompt_ids, max_new_tokens, eos_ids).tokens
-
-
 def estimated_speedup(acceptance_length: float, draft_seconds_per_round: float, verify_seconds_per_round: float,
                       target_step_seconds: float) -> float:
     """Tokens-per-second gain over plain decoding, from measured times: a round costs one draft tree plus one

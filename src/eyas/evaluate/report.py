@@ -14,41 +14,38 @@ import json
 import shlex
 from pathlib import Path
 
+from ..config import TrainConfig
 from ..errors import EyasError
 from ..io import read_json, write_text_atomic
+from ..run_folder import RunFolder
+from ..summaries import read_done
+from ..train.metrics import StepMetrics, read_metrics
 
 DATA_STAGES = ["prepare", "generate", "tokenize", "vocab", "extract"]
 
 
-def _load_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def plot_training(rows: list[dict], out: Path) -> Path | None:
-    """Loss (total and per TTT step) and per-step accuracy against the optimizer step; ``None`` without rows."""
+def plot_training(rows: list[StepMetrics], out: Path, ttt_decay: float) -> Path | None:
+    """Loss (total and per TTT step) and per-step accuracy against the optimizer step; ``None`` without rows.
+    ``ttt_decay``: the run's ``train.ttt_decay`` (step i of the total loss is weighted ``ttt_decay**i``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if "loss" in r and "step" in r]
     if not rows:
         return None
-    steps = [r["step"] for r in rows]
-    k = 0
-    while f"acc_{k}" in rows[0]:
-        k += 1
+    steps = [r.step for r in rows]
+    k = len(rows[0].acc_k)
     fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(14, 4))
-    a0.plot(steps, [r["loss"] for r in rows], color="black", label="train")
-    evals = [r for r in rows if "eval_loss" in r]
+    a0.plot(steps, [r.loss for r in rows], color="black", label="train")
+    evals = [r for r in rows if r.eval_loss is not None]
     if evals:
-        a0.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color="gray", label="eval")
+        a0.plot([r.step for r in evals], [r.eval_loss for r in evals], "o--", color="gray", label="eval")
+    nan = float("nan")
     for i in range(k):
-        a1.plot(steps, [r.get(f"loss_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
-        a2.plot(steps, [r.get(f"acc_{i}", float("nan")) for r in rows], lw=0.9, label=f"step {i}")
-    a0.set(xlabel="optimizer step", ylabel="loss", title="total loss (0.8^i-weighted sum over TTT steps)")
+        a1.plot(steps, [r.loss_k[i] if i < len(r.loss_k) else nan for r in rows], lw=0.9, label=f"step {i}")
+        a2.plot(steps, [r.acc_k[i] if i < len(r.acc_k) else nan for r in rows], lw=0.9, label=f"step {i}")
+    a0.set(xlabel="optimizer step", ylabel="loss", title=f"total loss ({ttt_decay:g}^i-weighted sum over TTT steps)")
     a1.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss per TTT step")
     a2.set(xlabel="optimizer step", ylabel="top-1 accuracy (draft vocab)", title="accuracy per TTT step", ylim=(0, 1))
     for a in (a0, a1, a2):
@@ -95,8 +92,9 @@ def plot_acceptance(results: dict, out: Path) -> Path | None:
 def serve_commands(run_dir: Path, target_dir: str, k: int) -> dict[str, str]:
     """The exact commands serving the exported folders (FIELD_NOTES "Checkpoints the engines load";
     vLLM's ``vllm serve`` equals ``python -m vllm.entrypoints.openai.api_server``). Servers bind 127.0.0.1."""
+    run = RunFolder(run_dir)
     cmds = {}
-    sg = (run_dir / "export" / "sglang").resolve()
+    sg = run.export("sglang").resolve()
     if sg.exists():
         cmds["SGLang"] = " ".join([
             "python -m sglang.launch_server", "--model-path", shlex.quote(target_dir), "--host 127.0.0.1 --port 30000",
@@ -104,7 +102,7 @@ def serve_commands(run_dir: Path, target_dir: str, k: int) -> dict[str, str]:
             f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
             "--dtype bfloat16"])
     for name in ("vllm", "sglang"):
-        d = (run_dir / "export" / name).resolve()
+        d = run.export(name).resolve()
         if d.exists():
             spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
             cmds[f"vLLM ({name} folder)"] = " ".join([
@@ -131,33 +129,31 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     Raises :class:`EyasError` when ``run_dir`` is not an Eyas run (no ``run.json``/``config.yaml``)."""
     import yaml
 
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
+    run = RunFolder(run_dir)
+    if not run.config_yaml.exists():
         raise EyasError(f"{run_dir}: not an Eyas run directory (no config.yaml); give the config's run_dir")
-    out = out or run_dir / "report"
+    out = out or run.report
     out.mkdir(parents=True, exist_ok=True)
-    cfg_text = (run_dir / "config.yaml").read_text()
+    cfg_text = run.config_yaml.read_text()
     cfg = yaml.safe_load(cfg_text)
     parts = [f"<h1>Eyas run {html.escape(str(run_dir))}</h1>"]
-    env = run_dir / "environment.json"
-    if env.exists():
-        parts.append("<h2>Environment</h2>" + _table(read_json(env)))
+    if run.environment_json.exists():
+        parts.append("<h2>Environment</h2>" + _table(read_json(run.environment_json)))
     parts.append("<h2>Data</h2>")
     for st in DATA_STAGES:
-        done = run_dir / st / "done.json"
-        if done.exists():
-            d = read_json(done)
-            parts.append(f"<h3>{st} ({d.get('seconds', 0):.1f} s)</h3>" + _table(d["summary"]))
+        if run.done(st).exists():
+            summary, seconds = read_done(run, st)
+            parts.append(f"<h3>{st} ({seconds or 0:.1f} s)</h3>" + _table(summary.to_json()))
     parts.append("<h2>Training</h2>")
-    rows = _load_metrics(run_dir / "train" / "metrics.jsonl")
-    if (run_dir / "train" / "done.json").exists():
-        parts.append(_table(read_json(run_dir / "train" / "done.json")["summary"]))
-    fig = plot_training(rows, out)
+    rows = read_metrics(run.train_metrics)
+    if run.done("train").exists():
+        parts.append(_table(read_done(run, "train")[0].to_json()))
+    decay = (cfg.get("train") or {}).get("ttt_decay", TrainConfig.model_fields["ttt_decay"].default)
+    fig = plot_training(rows, out, float(decay))
     parts.append(f'<img src="{fig.name}" alt="training curves">' if fig else "<p>no training metrics</p>")
     parts.append("<h2>Acceptance</h2>")
-    res_file = run_dir / "evaluate" / "results.json"
-    if res_file.exists():
-        res = read_json(res_file)
+    if run.evaluation.exists():
+        res = read_json(run.evaluation)
         parts.append(_table({k: v for k, v in res.items() if k != "sets"}))
         head = "<tr><th>set</th><th>prompts</th><th>rounds</th><th>acceptance length</th><th>rate per position</th>" \
                "<th>speedup estimate</th></tr>"
@@ -190,6 +186,6 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
              "margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}"
              "pre{background:#f4f4f4;padding:8px;white-space:pre-wrap}img{max-width:100%}")
     page = out / "report.html"
-    write_text_atomic(page, f"<!doctype html><html><head><meta charset='utf-8'><title>Eyas {html.escape(run_dir.name)}"
+    write_text_atomic(page, f"<!doctype html><html><head><meta charset='utf-8'><title>Eyas {html.escape(run.root.name)}"
                             f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
     return page

@@ -42,11 +42,12 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from ..dtypes import FROM_SAFETENSORS_CODE
 from ..errors import EyasError
-from ..families import convert_layer_ids, rope_parameters, text_config
-from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-from .sglang import check_state_shapes, full_vocabulary, sglang_keys
-from .vllm import to_vllm_name
+from ..families import convert_layer_ids, engine_default_aux_layer_ids, rope_parameters, text_config
+from ..model.eagle3 import Eagle3Config
+from .keys import check_state_shapes, draft_keys, engine_name, full_vocabulary, model_name
+from .layouts import draft_config_from, engine_layer_ids, layout_of, read_config
 
 Level = Literal["error", "warning", "info"]
 MANIFEST = "eyas_export.json"   # written beside each Eyas export: the layer ids the drafter was trained on
@@ -120,16 +121,6 @@ class FolderReport:
         return "\n".join(head + body)
 
 
-def _read_config(folder: Path) -> dict:
-    p = folder / "config.json"
-    if not p.exists():
-        raise EyasError(f"{folder}: no config.json (not a draft model folder)")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EyasError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
-
-
 def _tensor_meta(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype string) for every tensor of the folder, reading no tensor data."""
     meta = {}
@@ -149,56 +140,6 @@ def _read_tensor(folder: Path, name: str) -> torch.Tensor | None:
     return None
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-def layout_of(cfg: dict) -> str:
-    """``speculators``, ``sglang`` (a LlamaForCausalLMEagle3-style config) or ``unknown``."""
-    if "speculators_config" in cfg or "speculators_model_type" in cfg:
-        return "speculators"
-    if any("Eagle3" in a for a in cfg.get("architectures") or []):
-        return "sglang"
-    return "unknown"
-
-
-def draft_config_from(cfg: dict, layer: dict, fc_in: int | None = None) -> Eagle3Config:
-    """An :class:`Eagle3Config` from a folder's config (``layer``: the Llama fields; the top level for SGLang
-    folders, ``transformer_layer_config`` for speculators ones). Raises :class:`EyasError` on missing fields."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in layer]
-    if missing:
-        raise EyasError(f"config.json lacks {', '.join(missing)}")
-    H = int(layer["hidden_size"])
-    rp = dict(layer.get("rope_scaling") or layer.get("rope_parameters") or {"rope_type": "default"})
-    rp.setdefault("rope_type", rp.pop("type", "default"))
-    rp["rope_theta"] = float(layer.get("rope_theta") or rp.get("rope_theta") or 10000.0)
-    Ht = cfg.get("target_hidden_size") or layer.get("target_hidden_size") or (fc_in // 3 if fc_in else H)
-    return Eagle3Config(
-        hidden_size=H, intermediate_size=int(layer["intermediate_size"]),
-        num_attention_heads=int(layer["num_attention_heads"]),
-        num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
-        head_dim=int(layer.get("head_dim") or H // int(layer["num_attention_heads"])),
-        target_hidden_size=int(Ht), vocab_size=int(layer["vocab_size"]),
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer["vocab_size"]),
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), rope_parameters=rp,
-    )
-
-
-def engine_layer_ids(cfg: dict, num_target_layers: int | None) -> dict[str, list[int] | None]:
-    """The hf_index ids each engine would capture for this config (see the module docstring)."""
-    default = [2, num_target_layers // 2, num_target_layers - 3] if num_target_layers else None
-    eagle_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    top_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    out: dict[str, list[int] | None] = {}
-    if layout_of(cfg) == "sglang":
-        out["sglang"] = [i + 1 for i in eagle_ids] if eagle_ids else default
-    vllm_ids = top_ids or eagle_ids
-    out["vllm"] = sorted(set(vllm_ids)) if vllm_ids else default   # vLLM de-duplicates and sorts
-    return out
-
-
 def check_folder(folder: Path, target_cfg: dict | None = None,
                  trained_layer_ids: list[int] | None = None) -> FolderReport:
     """Check a draft folder as SGLang and vLLM would load it.
@@ -211,7 +152,10 @@ def check_folder(folder: Path, target_cfg: dict | None = None,
     Returns a :class:`FolderReport`; raises :class:`EyasError` only when config.json is missing or unreadable.
     """
     folder = Path(folder)
-    cfg = _read_config(folder)
+    if (folder / "draft_config.json").exists() and not (folder / "config.json").exists():
+        raise EyasError(f"{folder}: an Eyas drafter folder (train/final), which engines do not load: export it "
+                        f"(eyas export CONFIG) and check the exported folders")
+    cfg = read_config(folder)
     target_cfg = text_config(target_cfg) if target_cfg else None   # a multimodal wrapper's language model
     rep = FolderReport(folder=folder, layout=layout_of(cfg))
     if rep.layout == "unknown":
@@ -274,7 +218,8 @@ def _check_speculators_fields(cfg: dict, rep: FolderReport) -> None:
 
 def _check_weights(meta: dict, dcfg: Eagle3Config, spec: bool, rep: FolderReport) -> None:
     names = set(meta)
-    sg_keys = sglang_keys(dcfg)
+    sg_keys = {engine_name(k, "sglang") for k in draft_keys(dcfg)}
+    vk = {engine_name(k, "vllm") for k in draft_keys(dcfg)}
     if full_vocabulary(dcfg) and "d2t" in names:
         rep.add("error", "vllm", f"d2t is present but draft_vocab_size equals vocab_size ({dcfg.vocab_size}): vLLM "
                                  "builds no d2t parameter for a full-vocabulary draft (llama_eagle3.py) and its "
@@ -285,21 +230,19 @@ def _check_weights(meta: dict, dcfg: Eagle3Config, spec: bool, rep: FolderReport
             rep.add("error", "both", f"missing weight {k}: SGLang leaves it uninitialised, vLLM fails")
         for k in sorted(names - sg_keys):
             rep.add("error", "sglang", f"unknown weight {k}: SGLang skips it silently")
-            if k not in {to_vllm_name(x) for x in sg_keys}:
+            if k not in vk:
                 rep.add("error", "vllm", f"unknown weight {k}: vLLM's weight loader raises")
     else:
-        vk = {to_vllm_name(k) for k in sg_keys}
         accepted = vk | sg_keys
-        for k in sorted(vk - {to_vllm_name(n) for n in names} - {"t2d"}):
+        for k in sorted(vk - {engine_name(model_name(n), "vllm") for n in names} - {"t2d"}):
             rep.add("error", "vllm", f"missing weight {k}")
         for k in sorted(names - accepted):
             rep.add("error", "vllm", f"unknown weight {k}: vLLM's weight loader raises")
     if "t2d" not in names:
         rep.add("info", "both", "no t2d: engines ignore it, but resuming training needs it")
     # check_state_shapes needs .shape and .dtype only: use meta tensors of the recorded shape and dtype
-    shapes = {k: torch.empty(meta_shape, dtype=_DTYPES.get(dt, torch.float32), device="meta")
-              for k, (meta_shape, dt) in ((("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n),
-                                           meta[n]) for n in meta)}
+    shapes = {model_name(n): torch.empty(meta_shape, dtype=FROM_SAFETENSORS_CODE.get(dt, torch.float32), device="meta")
+              for n, (meta_shape, dt) in meta.items()}
     for p in check_state_shapes(shapes, dcfg):
         if p.startswith("d2t is"):
             continue    # judged with the values in _check_vocab
@@ -342,7 +285,8 @@ _CAPTURABLE = {"sglang": lambda n: (1, n - 1), "vllm": lambda n: (0, n)}
 
 
 def _default_hf(n: int) -> list[int]:
-    return [2, n // 2, n - 3]
+    """The engines' default aux layers of an n-layer target, as hf_index (:mod:`eyas.families`)."""
+    return convert_layer_ids(engine_default_aux_layer_ids(n), "output_of_layer", "hf_index")
 
 
 def _layer_fix(eagle_ids: list[int], n: int | None, trained: list[int] | None) -> str:
@@ -450,40 +394,3 @@ def _check_against_target(cfg: dict, layer: dict, dcfg: Eagle3Config, t: dict, r
     if d_scaling != t_scaling:
         rep.add("warning", "both", f"rope_scaling {d_scaling} differs from the target's {t_scaling} (right only if the "
                                    f"drafter was trained with it)")
-
-
-def load_draft_folder(folder: Path, embed: torch.Tensor | None = None, num_target_layers: int | None = None,
-                      engine: str = "vllm") -> tuple[Eagle3DraftModel, list[int]]:
-    """Load a draft folder of either layout into :class:`Eagle3DraftModel` (fp32, eval).
-
-    ``embed`` is the target's embedding table [V, Ht], copied in when the draft shares it. Returns the model and the
-    aux layer ids, ``output_of_layer`` convention, that ``engine`` (``vllm`` or ``sglang``) would capture for it (the
-    two agree for a correct folder), so the reference decoder sees what that engine sees. Raises
-    :class:`EyasError` when the folder has errors that stop both engines.
-    """
-    folder = Path(folder)
-    cfg = _read_config(folder)
-    spec = layout_of(cfg) == "speculators"
-    layer = cfg.get("transformer_layer_config") if spec else cfg
-    state = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                name = "midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k
-                state[name] = h.get_tensor(k)
-    fc = state.get("fc.weight")
-    dcfg = draft_config_from(cfg, layer or {}, fc.shape[1] if fc is not None else None)
-    problems = check_state_shapes(state, dcfg)
-    problems += [f"missing {k}" for k in sorted(sglang_keys(dcfg) - set(state) - {"t2d"})]
-    if problems:
-        raise EyasError(f"{folder}: not a loadable EAGLE-3 folder:\n  " + "\n  ".join(problems))
-    model = Eagle3DraftModel(dcfg)
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
-    if "embed_tokens.weight" not in state and embed is not None:
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
-    read = engine_layer_ids(cfg, num_target_layers)
-    hf = read.get(engine) or read["vllm"]
-    if hf is None:
-        raise EyasError(f"{folder}: no aux layer ids in config.json; pass the target's depth to use the default")
-    return model.eval(), convert_layer_ids(hf, "hf_index", "output_of_layer")

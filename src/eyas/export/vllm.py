@@ -23,22 +23,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EyasError
+from ..drafter import DrafterWeights
 from ..families import convert_layer_ids
 from ..io import write_json_atomic
-from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-from .sglang import SGLANG_KEYS, check_state_shapes, rope_fields, sglang_keys, write_weights
+from ..model.eagle3 import Eagle3Config
+from .keys import engine_state
+from .layouts import llama_shape, rope_fields, special_tokens, write_weights
 
 SPECULATORS_VERSION = "0.3.0"  # the speculators config schema these fields follow
-
-
-def to_vllm_name(key: str) -> str:
-    """Eyas/SGLang weight name -> speculators name (``midlayer.`` -> ``layers.0.``)."""
-    return "layers.0." + key[len("midlayer."):] if key.startswith("midlayer.") else key
-
-
-# The tensors vLLM's Eagle3LlamaForCausalLM loads from a speculators folder (t2d is read and dropped).
-VLLM_KEYS = frozenset(to_vllm_name(k) for k in SGLANG_KEYS)
 
 
 def speculators_config(cfg: Eagle3Config, layer_ids: list[int], convention: str, target_cfg: dict, *,
@@ -46,23 +38,12 @@ def speculators_config(cfg: Eagle3Config, layer_ids: list[int], convention: str,
     """config.json of the speculators format. ``layer_ids`` are converted to ``hf_index``; ``verifier`` is the
     target's folder or hub id (vLLM serves it when this folder is given as the main model)."""
     layer = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "vocab_size": cfg.vocab_size,
+        **llama_shape(cfg),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
         **rope_fields(cfg),
-        "bos_token_id": target_cfg.get("bos_token_id"),
-        "eos_token_id": target_cfg.get("eos_token_id"),
+        **special_tokens(target_cfg, "bos_token_id", "eos_token_id"),
     }
     return {
         "architectures": ["Eagle3Speculator"],
@@ -86,31 +67,16 @@ def speculators_config(cfg: Eagle3Config, layer_ids: list[int], convention: str,
     }
 
 
-def check_vllm_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> list[str]:
-    """Problems with a speculators-named state dict as vLLM would load it. Empty when fine."""
-    expected = {to_vllm_name(k) for k in sglang_keys(cfg)}
-    problems = [f"missing {k}" for k in sorted(expected - set(state))]
-    problems += [f"unknown key {k} (vLLM's weight loader raises on it)" for k in sorted(set(state) - expected)]
-    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
-    return problems + check_state_shapes(renamed, cfg)
-
-
-def write_vllm(out_dir: Path, model: Eagle3DraftModel, layer_ids: list[int], convention: str, target_cfg: dict,
-               *, verifier: str, num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16,
+def write_vllm(out_dir: Path, drafter: DrafterWeights, target_cfg: dict, *, verifier: str,
+               num_speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16,
                max_shard_bytes: int | None = None) -> Path:
-    """Write the speculators folder; raises :class:`EyasError` (and writes nothing) when the key check fails."""
-    state = {}
-    for k, v in model.trainable_state_dict().items():
-        if k not in sglang_keys(model.config):
-            continue   # d2t of a full-vocabulary draft: vLLM has no parameter for it
-        v = v.detach().cpu()
-        state[to_vllm_name(k)] = v.to(dtype) if v.is_floating_point() else v
-    problems = check_vllm_keys(state, model.config)
-    if problems:
-        raise EyasError("vLLM export check failed:\n  " + "\n  ".join(problems))
+    """Write the speculators folder of a drafter; raises :class:`~eyas.errors.EyasError` (and writes nothing) when
+    the key check fails."""
+    cfg = drafter.config
+    state = engine_state(drafter.state, cfg.draft, "vllm", dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_weights(out_dir, state, max_shard_bytes)
     write_json_atomic(out_dir / "config.json", speculators_config(
-        model.config, layer_ids, convention, target_cfg, verifier=verifier,
+        cfg.draft, cfg.aux_layer_ids, cfg.layer_convention, target_cfg, verifier=verifier,
         num_speculative_tokens=num_speculative_tokens))
     return out_dir

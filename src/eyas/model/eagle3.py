@@ -143,7 +143,7 @@ class Eagle3Attention(nn.Module):
 
 
 class KVCache:
-    """The draft's key/value cache for decoding: [B, nkv, L, hd] tensors that can be cropped back."""
+    """The draft's key/value cache for decoding: [B, nkv, L, hd] tensors, grown by :meth:`append`."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
@@ -157,10 +157,6 @@ class KVCache:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
 class Eagle3MLP(nn.Module):

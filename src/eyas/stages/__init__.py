@@ -1,46 +1,53 @@
-"""Stage wiring: each stage reads the run directory and its own config section, writes its own folder.
+"""Stage wiring: each stage reads the run folder and the config fields it declares, and writes its own folder.
 
-A stage folder ``RUN/<stage>/`` holds ``fingerprint.json`` (a hash of every config section the stage depends on,
-written when the stage starts) and ``done.json`` (its summary, written atomically when it finishes). A finished
-stage with the same fingerprint is skipped; a folder made with another configuration is refused with the
-differing sections named, unless ``--force`` is given, which clears that stage and every stage after it.
-Partial work inside a stage with a matching fingerprint (generated samples, stored hidden states, training
-checkpoints) is resumed.
+Every stage module has ``run(ctx) -> summary`` and two declarations:
+- ``READS``: the config sections (``"train"``) and fields (``"tokenize.chat_template_kwargs"``) its code reads,
+  directly or through the library functions it calls (``tests/e2e/test_fingerprints.py`` runs every stage with a
+  config that records what is read and fails on anything undeclared);
+- ``INPUTS``: the stages whose outputs it reads.
+A stage's fingerprint hashes every section and field of its :func:`dependencies`: its own ``READS`` and, through
+``INPUTS``, those of every stage upstream, so a setting that changes an input changes every stage after it.
+
+A stage folder ``RUN/<stage>/`` holds ``fingerprint.json`` (written when the stage starts) and ``done.json`` (its
+typed summary, :mod:`eyas.summaries`, written atomically when it finishes). A finished stage with the same
+fingerprint is skipped; a folder made with another configuration is refused with the differing sections named,
+unless ``force`` is set, which clears that stage and every stage after it. Partial work inside a stage with a
+matching fingerprint (generated samples, stored hidden states, training checkpoints) is resumed.
+
+Only the CLI (:mod:`eyas.cli`) imports this package; what stages share lives in library modules.
 """
 
 from __future__ import annotations
 
 import getpass
-import json
 import platform
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from functools import cache
+from importlib import import_module
 from pathlib import Path
-from typing import Callable
+from types import ModuleType
+from typing import Any, Callable
 
 import yaml
+from pydantic import BaseModel
 
 from ..config import RunConfig
+from ..distributed import process_rank
 from ..errors import EyasError
+from ..families import check_run_servable
 from ..io import read_json, stable_hash, write_json_atomic, write_text_atomic
+from ..run_folder import STAGES, RunFolder
+from ..summaries import SUMMARIES, Summary, read_done, read_summary
+from ..targets.load import read_target_config
 
-STAGES = ["prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate"]
-
-# Config sections each stage depends on (its own and everything upstream that changes its output).
-_DEPENDS = {
-    "prepare": ["prepare", "target"],  # its report counts tokens with the target's tokenizer
-    "generate": ["prepare", "generate", "target"],
-    "tokenize": ["prepare", "generate", "target", "tokenize"],
-    "vocab": ["prepare", "generate", "target", "tokenize", "vocab"],
-    "extract": ["prepare", "generate", "target", "tokenize", "extract"],
-    "train": ["prepare", "generate", "target", "tokenize", "vocab", "extract", "train"],
-    "export": ["prepare", "generate", "target", "tokenize", "vocab", "extract", "train", "export"],
-    "evaluate": ["prepare", "generate", "target", "tokenize", "vocab", "extract", "train", "export", "evaluate"],
-}
+# Stages that first refuse a run no engine would serve (extract.layer_ids, vocab.draft_vocab_size, export.formats,
+# evaluate.engine against the target: eyas.families.check_run_servable); a check, not an input of their outputs.
+SERVABILITY_CHECKED = ("prepare", "vocab", "extract", "export", "evaluate")
 # Fields that do not change a stage's output (where it runs, how often it logs) are left out of fingerprints.
 # Dotted names reach into nested sections (the server address and how hard to push it do not change replies).
 _NEUTRAL = {
@@ -51,48 +58,76 @@ _NEUTRAL = {
 }
 
 
-def section_fingerprint(cfg: RunConfig, section: str) -> dict:
-    d = getattr(cfg, section).model_dump(mode="json")
-    for k in _NEUTRAL.get(section, ()):
-        *parents, leaf = k.split(".")
-        node = d
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+@cache
+def stage_module(stage: str) -> ModuleType:
+    """The module ``eyas.stages.<stage>``; raises :class:`EyasError` for an unknown stage."""
+    if stage not in STAGES:
+        raise EyasError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
+    return import_module(f"eyas.stages.{stage}")
+
+
+@cache
+def dependencies(stage: str) -> tuple[str, ...]:
+    """The config sections and dotted fields whose values make ``stage``'s output: its own ``READS`` and those of
+    every stage upstream of it (``INPUTS``, transitively). A field inside a listed section is left out (covered)."""
+    mod = stage_module(stage)
+    items = set(mod.READS)
+    for up in mod.INPUTS:
+        items |= set(dependencies(up))
+    return tuple(sorted(i for i in items if "." not in i or i.split(".")[0] not in items))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, BaseModel):
+        return v.model_dump(mode="json")
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _value(cfg: RunConfig, dotted: str) -> Any:
+    """A section (without its neutral fields) or a dotted field of ``cfg``, as JSON data."""
+    section, *rest = dotted.split(".")
+    node = getattr(cfg, section)
+    for name in rest:
+        node = getattr(node, name)
+    d = _jsonable(node)
+    if not rest:
+        for k in _NEUTRAL.get(section, ()):
+            *parents, leaf = k.split(".")
+            n = d
+            for p in parents:
+                n = n.get(p) if isinstance(n, dict) else None
+            if isinstance(n, dict):
+                n.pop(leaf, None)
     return d
 
 
 def stage_fingerprint(cfg: RunConfig, stage: str) -> dict:
-    """``{section: hash}`` of every config section ``stage`` depends on."""
-    return {s: stable_hash(section_fingerprint(cfg, s)) for s in _DEPENDS[stage]}
+    """``{section or field: hash}`` of every dependency of ``stage`` (:func:`dependencies`)."""
+    return {d: stable_hash(_value(cfg, d)) for d in dependencies(stage)}
 
 
 @dataclass
 class RunContext:
-    """What every stage receives: the config, the run directory and the command's flags."""
+    """What every stage receives: the config, the command's flags and, while a stage runs, its fingerprint.
+
+    ``force``: a stage whose folder was made with another configuration is cleared (with every later stage) and
+    redone, instead of refused. ``redo``: stages that ``force`` redoes even when their configuration is unchanged
+    (a single-stage command names its stage here). ``fingerprint``: set by :func:`run_stage` for the stage it runs
+    (training stores it in its checkpoints).
+    """
 
     cfg: RunConfig
     force: bool = False
     log: Callable[[str], None] = print
-    extra: dict = field(default_factory=dict)
+    redo: frozenset[str] = frozenset()
+    fingerprint: dict | None = None
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.run_dir)
-
-    def stage_dir(self, stage: str) -> Path:
-        return self.run_dir / stage
-
-    def done_summary(self, stage: str) -> dict:
-        """The summary a finished upstream stage wrote; raises :class:`EyasError` when it has not run."""
-        p = self.stage_dir(stage) / "done.json"
-        if not p.exists():
-            raise EyasError(f"stage '{stage}' has not finished in {self.run_dir}: run `eyas {stage} CONFIG` first")
-        return read_json(p)["summary"]
-
-    def run_id(self) -> str:
-        return read_json(self.run_dir / "run.json")["run_id"]
+    def run(self) -> RunFolder:
+        """The run folder (``cfg.run_dir``) with a path per artifact."""
+        return RunFolder(Path(self.cfg.run_dir))
 
 
 def _git_commit() -> str | None:
@@ -106,18 +141,18 @@ def _git_commit() -> str | None:
 
 def init_run_dir(ctx: RunContext, argv: list[str] | None = None) -> None:
     """Create the run directory and describe it: run id (once), resolved config, versions, commit, command line."""
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    run_json = ctx.run_dir / "run.json"
-    if not run_json.exists():
-        write_json_atomic(run_json, {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    run = ctx.run
+    run.root.mkdir(parents=True, exist_ok=True)
+    if not run.run_json.exists():
+        write_json_atomic(run.run_json, {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     import torch
     import transformers
 
     from .. import __version__
 
-    write_text_atomic(ctx.run_dir / "config.yaml", yaml.safe_dump(ctx.cfg.model_dump(mode="json"), sort_keys=False))
+    write_text_atomic(run.config_yaml, yaml.safe_dump(ctx.cfg.model_dump(mode="json"), sort_keys=False))
     write_json_atomic(
-        ctx.run_dir / "environment.json",
+        run.environment_json,
         {
             "eyas": __version__, "git_commit": _git_commit(), "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -127,26 +162,26 @@ def init_run_dir(ctx: RunContext, argv: list[str] | None = None) -> None:
     )
 
 
-def _check_fingerprint(ctx: RunContext, stage: str) -> bool:
-    """True when ``stage`` is already done with this configuration. Handles --force and mismatches."""
-    sdir = ctx.stage_dir(stage)
-    fp = stage_fingerprint(ctx.cfg, stage)
-    fp_file = sdir / "fingerprint.json"
+def _check_fingerprint(ctx: RunContext, stage: str, fp: dict) -> bool:
+    """True when ``stage`` is already done with this configuration. Handles ``force`` and mismatches."""
+    run = ctx.run
+    fp_file = run.fingerprint(stage)
     if fp_file.exists():
         old = read_json(fp_file)
         if old != fp:
             if not ctx.force:
                 changed = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
                 raise EyasError(
-                    f"{sdir} was made with a different configuration (changed sections: {', '.join(changed)}). "
-                    f"Use another run_dir, or pass --force to redo '{stage}' and every stage after it."
+                    f"{run.stage(stage)} was made with a different configuration (changed sections: "
+                    f"{', '.join(changed)}). Use another run_dir, or pass --force to redo '{stage}' and every stage "
+                    f"after it."
                 )
             clear_from(ctx, stage)
-        elif ctx.force and stage in ctx.extra.get("force_stages", ()):
+        elif ctx.force and stage in ctx.redo:
             clear_from(ctx, stage)
-    if (sdir / "done.json").exists() and (sdir / "fingerprint.json").exists():
+    if run.done(stage).exists() and fp_file.exists():
         return True
-    sdir.mkdir(parents=True, exist_ok=True)
+    run.stage(stage).mkdir(parents=True, exist_ok=True)
     write_json_atomic(fp_file, fp)
     return False
 
@@ -154,32 +189,33 @@ def _check_fingerprint(ctx: RunContext, stage: str) -> bool:
 def clear_from(ctx: RunContext, stage: str) -> None:
     """Delete ``stage``'s folder and those of every later stage."""
     for s in STAGES[STAGES.index(stage):]:
-        d = ctx.stage_dir(s)
+        d = ctx.run.stage(s)
         if d.exists():
             ctx.log(f"[eyas] --force: removing {d}")
             shutil.rmtree(d)
 
 
-def run_stage(ctx: RunContext, stage: str) -> dict:
-    """Run one stage unless it is already done with this configuration; return its summary."""
-    from importlib import import_module
+def run_stage(ctx: RunContext, stage: str) -> Summary:
+    """Run one stage unless it is already done with this configuration; return its summary.
 
-    if stage not in STAGES:
-        raise EyasError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
-    if _check_fingerprint(ctx, stage):
-        ctx.log(f"[eyas] {stage}: already done in {ctx.stage_dir(stage)} (same configuration), skipped")
-        return read_json(ctx.stage_dir(stage) / "done.json")["summary"]
+    Under torchrun every process runs the stage; process 0 writes ``done.json``."""
+    module = stage_module(stage)
+    fp = stage_fingerprint(ctx.cfg, stage)
+    if _check_fingerprint(ctx, stage, fp):
+        ctx.log(f"[eyas] {stage}: already done in {ctx.run.stage(stage)} (same configuration), skipped")
+        return read_summary(ctx.run, stage)
     ctx.log(f"[eyas] {stage}: starting")
+    if stage in SERVABILITY_CHECKED:   # what no engine serves is refused before the stage does any work
+        check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
     t0 = time.time()
-    module = import_module(f"eyas.stages.{stage}")
-    summary = module.run(ctx)
+    summary = SUMMARIES[stage].model_validate(module.run(replace(ctx, fingerprint=fp)))
     seconds = time.time() - t0
-    if ctx.extra.pop("write_done", True):  # False on data-parallel ranks other than 0 (extract)
-        write_json_atomic(ctx.stage_dir(stage) / "done.json", {"summary": summary, "seconds": round(seconds, 2)})
+    if process_rank() == 0:
+        write_json_atomic(ctx.run.done(stage), {"summary": summary.to_json(), "seconds": round(seconds, 2)})
     ctx.log(f"[eyas] {stage}: done in {seconds:.1f} s")
     return summary
 
 
 def stage_seconds(ctx: RunContext, stage: str) -> float | None:
-    p = ctx.stage_dir(stage) / "done.json"
-    return json.loads(p.read_text()).get("seconds") if p.exists() else None
+    """Wall time of a finished stage (``done.json``), ``None`` when it has not finished."""
+    return read_done(ctx.run, stage)[1] if ctx.run.done(stage).exists() else None

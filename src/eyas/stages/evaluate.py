@@ -20,15 +20,20 @@ from tqdm import tqdm
 from ..config import SourceConfig
 from ..data.chat import render_prompt
 from ..data.formats import load_source
+from ..drafter import load_drafter
 from ..errors import ConfigError
 from ..evaluate.decoder import (SpecConfig, estimated_speedup, lookup_generate, speculative_generate,
                                 target_generate)
-from ..export.check import load_draft_folder
+from ..families import text_config
 from ..io import write_json_atomic
 from ..records import SkipCounter
-from ..families import check_run_servable, text_config
+from ..summaries import EvaluateSummary
 from ..targets.load import load_target, load_target_head, materialize_target, read_target_config
 from . import RunContext
+
+# tokenize.chat_template_kwargs: prompts are rendered as the target is served and as the drafter was trained
+READS = ("evaluate", "target", "tokenize.chat_template_kwargs")
+INPUTS = ("export",)
 
 
 def load_sets(ctx: RunContext) -> dict[str, list[tuple[str, list[str]]]]:
@@ -54,10 +59,10 @@ def spec_config(ctx: RunContext) -> SpecConfig:
                       temperature=cfg.temperature, seed=cfg.seed)
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> EvaluateSummary:
     cfg = ctx.cfg.evaluate
     sets = load_sets(ctx)
-    folder = ctx.stage_dir("export") / ("sglang" if (ctx.stage_dir("export") / "sglang").exists() else "vllm")
+    folder = ctx.run.export("sglang") if ctx.run.export("sglang").exists() else ctx.run.export("vllm")
     if cfg.engine == "vllm":
         per_set = _evaluate_vllm(ctx, sets, folder)
     else:
@@ -88,15 +93,15 @@ def run(ctx: RunContext) -> dict:
         result["tokens_per_target_step"] = round(
             sum(s["tokens_per_target_step"] * s["rounds"] for s in per_set.values())
             / max(sum(s["rounds"] for s in per_set.values()), 1), 4)
-    write_json_atomic(ctx.stage_dir("evaluate") / "results.json", result)
+    write_json_atomic(ctx.run.evaluation, result)
     for name, s in per_set.items():
         ng = s.get("ngram")
         ctx.log(f"[eyas] evaluate [{cfg.engine}] {name}: acceptance length {s['acceptance_length']:.3f} "
                 f"({s['prompts']} prompts, {s['rounds']} rounds); tokens per target step: drafter "
                 f"{s['tokens_per_target_step']:.3f}" + (f", n-gram lookup (no training) "
                                                          f"{ng['tokens_per_target_step']:.3f}" if ng else ""))
-    return {k: v for k, v in result.items() if k != "sets"} | {
-        "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}}
+    return EvaluateSummary.model_validate({k: v for k, v in result.items() if k != "sets"} | {
+        "sets": {n: {k: v for k, v in s.items() if k != "per_prompt"} for n, s in per_set.items()}})
 
 
 def _set_summary(rounds: int, accepted: int, per_pos: list[int], **extra) -> dict:
@@ -117,7 +122,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
     target = load_target(ctx.cfg.target)
     tok = target.tokenizer
     embed, _ = load_target_head(ctx.cfg.target)
-    draft, layer_ids = load_draft_folder(folder, embed, target.num_layers)
+    draft, dcfg = load_drafter(folder, embed, num_target_layers=target.num_layers)   # as vLLM reads the folder
+    layer_ids = dcfg.layer_ids("output_of_layer")
     draft.to(target.device)
     eos = model_eos_ids(target, tok)
     greedy = spec.temperature == 0
@@ -180,7 +186,6 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     if cfg.topk != 1:
         raise ConfigError("evaluate.engine=vllm drafts chains only: set evaluate.topk=1")
     tcfg = read_target_config(ctx.cfg.target)
-    check_run_servable(ctx.cfg, tcfg, ctx.log)          # a family vLLM does not serve is refused before it starts
     tok = load_tokenizer(ctx.cfg.target)
     tdir = materialize_target(ctx.cfg.target)
     eos = GenerationConfig.from_pretrained(tdir).eos_token_id if (tdir / "generation_config.json").exists() else None

@@ -28,23 +28,23 @@ from ..data.chat import render_prompt
 from ..errors import DataError
 from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
 from ..generation.inprocess import TurnScheduler, make_engine
-from ..records import Conversation, SkipCounter, SkipRecord
+from ..records import Conversation, SkipCounter, SkipRecord, read_conversations
 from ..targets.load import load_target, load_tokenizer, materialize_target
 from . import RunContext
 
-
-def _load(ctx: RunContext, stage: str) -> list[Conversation]:
-    return [Conversation.from_json(d) for _, d in iter_jsonl(ctx.stage_dir(stage) / "conversations.jsonl")]
+# tokenize.*: prompts are rendered with the template exactly as tokenize will render the replies, and a turn whose
+# prompt reaches tokenize.max_length (the default generate.max_prompt_tokens) is not generated: it would be cut there
+READS = ("generate", "target", "tokenize.chat_template_kwargs", "tokenize.max_length")
+INPUTS = ("prepare",)
 
 
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.generate
-    out_dir = ctx.stage_dir("generate")
-    out_path = out_dir / "conversations.jsonl"
-    convs = _load(ctx, "prepare")
+    out_path = ctx.run.generated
+    convs = read_conversations(ctx.run.prepared)
     if not convs:
-        raise DataError(f"generate: {ctx.stage_dir('prepare') / 'conversations.jsonl'} holds no conversation; "
-                        f"rerun `eyas prepare CONFIG --force` (it names each source and what it yielded)")
+        raise DataError(f"generate: {ctx.run.prepared} holds no conversation; rerun `eyas prepare CONFIG --force` "
+                        f"(it names each source and what it yielded)")
     skips = SkipCounter()
     if not cfg.enabled:
         kept = 0
@@ -56,7 +56,7 @@ def run(ctx: RunContext) -> dict:
                     continue
                 w.append(c.to_json())
                 kept += 1
-        write_json_atomic(out_dir / "report.json", {"samples": kept, "skips": skips.to_json()})
+        write_json_atomic(ctx.run.generate_report, {"samples": kept, "skips": skips.to_json()})
         if kept == 0:
             raise DataError(f"generate: none of the {len(convs)} prepared conversations has an assistant turn, and "
                             f"generate.enabled is false: nothing to train on (set generate.enabled: true to have the "
@@ -97,7 +97,7 @@ def run(ctx: RunContext) -> dict:
               "new_tokens_this_run": stats.new_tokens, "prompt_tokens_this_run": stats.prefill_tokens,
               "seconds_this_run": round(stats.seconds, 2),
               "new_tokens_per_s": round(stats.new_tokens_per_s, 1)}
-    write_json_atomic(out_dir / "report.json", report)
+    write_json_atomic(ctx.run.generate_report, report)
     ctx.log(f"[eyas] generate: {stats.new_tokens} new tokens in {stats.seconds:.1f} s "
             f"({stats.new_tokens_per_s:,.0f} new tokens/s, {stats.requests} turns, {type(engine).__name__}, "
             f"{stats.slots} slots, attention {stats.attention}, CUDA graph {stats.cuda_graph})")
@@ -153,12 +153,12 @@ def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list
     if Path(model).expanduser().resolve() != target_dir.resolve():
         ctx.log(f"[eyas] generate: warning: the server serves '{model}', target.model is {target_dir}; the replies "
                 f"are the target's only if that is the same model (serve the target folder to silence this)")
-    write_json_atomic(ctx.stage_dir("generate") / "report.json", report)
+    write_json_atomic(ctx.run.generate_report, report)
     if skips.total:
         ctx.log(f"[eyas] generate: {skips.total} conversations refused or cut by the server; reasons in "
-                f"{ctx.stage_dir('generate') / 'report.json'}")
+                f"{ctx.run.generate_report}")
     if total == 0:
         reasons = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
         raise DataError(f"generate: the server answered none of the {len(convs)} conversations "
-                        f"({reasons or 'no reason given'}); details in {ctx.stage_dir('generate') / 'report.json'}")
+                        f"({reasons or 'no reason given'}); details in {ctx.run.generate_report}")
     return {"samples": total, "regenerated": True, "finish_length": finish_counts["length"], "skipped": skips.total}

@@ -25,22 +25,23 @@ from ..data.formats import load_source
 from ..errors import DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
-from ..families import check_run_servable
-from ..targets.load import load_tokenizer, read_target_config
+from ..summaries import PrepareSummary
+from ..targets.load import load_tokenizer
 from . import RunContext
+
+READS = ("prepare", "target")  # target: its tokenizer counts the report's tokens
+INPUTS = ()
 
 DUPLICATE = "duplicate conversation (same sample id)"
 OVER_MAX = "over prepare.max_samples"
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> PrepareSummary:
     cfg = ctx.cfg.prepare
-    out_dir = ctx.stage_dir("prepare")
-    out = out_dir / "conversations.jsonl"
+    out = ctx.run.prepared
     out.unlink(missing_ok=True)  # prepare is cheap and deterministic: always rebuilt whole
     tok = load_tokenizer(ctx.cfg.target)
     # The first stage that knows the target refuses a drafter no engine would serve (layers, vocabulary, formats).
-    check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
     skips = SkipCounter()
     seen: set[str] = set()
     per_source = []
@@ -83,7 +84,7 @@ def run(ctx: RunContext) -> dict:
             )
     totals = {k: sum(s[k] for s in per_source) for k in ("rows_read", "rows_kept", "rows_skipped", "turns")}
     all_lengths = [n for v in lengths.values() for n in v]
-    png = out_dir / "token_lengths.png"
+    png = ctx.run.token_lengths_png
     plotted = _plot_histogram(lengths, png, str(tok.name_or_path), ctx)
     report = {
         "samples": kept,
@@ -97,18 +98,18 @@ def run(ctx: RunContext) -> dict:
     }
     empty = [s for s in per_source if s["rows_kept"] == 0]
     report["empty_sources"] = [s["path"] for s in empty]
-    write_json_atomic(out_dir / "report.json", report)
+    write_json_atomic(ctx.run.prepare_report, report)
     if skips.total:
         top = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
-        ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {out_dir / 'report.json'}")
+        ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {ctx.run.prepare_report}")
     if kept == 0:
         raise DataError("prepare: no conversation to train on; every source yielded nothing:\n"
                         + "\n".join(f"  {source_counts(s)}" for s in per_source)
-                        + f"\n(details in {out_dir / 'report.json'}; set each source's format if it was not detected)")
+                        + f"\n(details in {ctx.run.prepare_report}; set each source's format if it was not detected)")
     for s in empty:
         ctx.log(f"[eyas] prepare: warning: source yielded no conversation: {source_counts(s)}")
-    return {"samples": kept, "duplicates": duplicates, "skipped": totals["rows_skipped"],
-            "tokens": sum(all_lengths)}
+    return PrepareSummary(samples=kept, duplicates=duplicates, skipped=totals["rows_skipped"],
+                          tokens=sum(all_lengths))
 
 
 def source_counts(s: dict) -> str:

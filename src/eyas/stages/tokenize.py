@@ -16,10 +16,14 @@ from tqdm import tqdm
 
 from ..data.chat import ChatTemplateError, render_conversation
 from ..errors import DataError
-from ..io import JsonlAppender, iter_jsonl, sha256_bytes, write_json_atomic
-from ..records import Conversation, SkipCounter, SkipRecord, TokenizedSample
+from ..io import JsonlAppender, sha256_bytes, write_json_atomic
+from ..records import SkipCounter, SkipRecord, TokenizedSample, read_conversations
+from ..summaries import TokenizeSummary
 from ..targets.load import load_tokenizer, materialize_target
 from . import RunContext
+
+READS = ("tokenize", "target")
+INPUTS = ("generate",)
 
 
 def tokenizer_identity(tok) -> dict:
@@ -32,14 +36,13 @@ def tokenizer_identity(tok) -> dict:
     }
 
 
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> TokenizeSummary:
     cfg = ctx.cfg.tokenize
-    out_dir = ctx.stage_dir("tokenize")
-    out = out_dir / "samples.jsonl"
+    out = ctx.run.tokenized
     out.unlink(missing_ok=True)
     tok = load_tokenizer(ctx.cfg.target)
-    src = ctx.stage_dir("generate") / "conversations.jsonl"
-    convs = [Conversation.from_json(d) for _, d in iter_jsonl(src)]
+    src = ctx.run.generated
+    convs = read_conversations(src)
     if not convs:
         raise DataError(f"tokenize: {src} holds no conversation; rerun generate (and prepare) with --force")
     skips = SkipCounter()
@@ -80,20 +83,15 @@ def run(ctx: RunContext) -> dict:
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
     }
-    write_json_atomic(out_dir / "meta.json", meta)
+    write_json_atomic(ctx.run.tokenize_meta, meta)
     if skips.total:
-        ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {out_dir / 'meta.json'}")
+        ctx.log(f"[eyas] tokenize: {skips.total} conversations skipped; reasons in {ctx.run.tokenize_meta}")
     if whitespace.total:
         ctx.log(f"[eyas] tokenize: {whitespace.total} replies kept whose leading/trailing whitespace the chat "
-                f"template changed; listed in {out_dir / 'meta.json'} (reply_whitespace_changed)")
+                f"template changed; listed in {ctx.run.tokenize_meta} (reply_whitespace_changed)")
     if n == 0:
         reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
         raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
-                        f"{reasons}\n(examples in {out_dir / 'meta.json'})")
-    return {"samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
-            "skipped": skips.total, "replies_whitespace_changed": whitespace.total}
-
-
-def load_samples(ctx: RunContext) -> list[TokenizedSample]:
-    """All tokenized samples of the run, in file order."""
-    return [TokenizedSample.from_json(d) for _, d in iter_jsonl(ctx.stage_dir("tokenize") / "samples.jsonl")]
+                        f"{reasons}\n(examples in {ctx.run.tokenize_meta})")
+    return TokenizeSummary(samples=n, tokens=tokens, assistant_tokens=trained, truncated=truncated,
+                           skipped=skips.total, replies_whitespace_changed=whitespace.total)

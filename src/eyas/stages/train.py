@@ -1,97 +1,62 @@
 """train: the EAGLE-3 draft with training-time test, offline from the store or online from the target.
 
 The draft vocabulary and layer ids are read from the run (vocab stage, store header), never recomputed; with
-``--init-from DRAFTER`` (``train.init_from``) the drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
+``--init-from DRAFTER`` (``train.init_from``, any drafter folder :func:`eyas.drafter.read_drafter` reads) the
+drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
 target in this job to make each batch's states (rounded to ``extract.dtype``, as the store would hold them, so
 offline and online train on the same numbers). Under ``torchrun`` every process runs this stage; process 0
 writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/tensorboard/`` and
-``train/final/`` (``draft.safetensors`` + ``draft_config.json``), from which export builds the engine folders.
+``train/final/``, a drafter folder (:mod:`eyas.drafter`), from which export builds the engine folders.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import torch
 
+from ..data.vocab import load_vocab
+from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..errors import EyasError
-from ..io import read_json, write_json_atomic
+from ..families import text_config
+from ..records import read_tokenized
 from ..store import HiddenStateStore
+from ..store.header import expected_header
+from ..summaries import TrainSummary
 from ..targets.load import load_target_head, read_target_config, resolve_device
 from ..train.build import build_draft, draft_config_for
-from ..train.checkpoint import save_checkpoint  # noqa: F401  (re-exported for tools)
-from ..train.data import StoreDataset, TokenDataset, split_held_out
-from ..train.loop import stored_states, summarise_metrics, train
+from ..train.data import SampleDataset, split_held_out
+from ..train.loop import stored_states, train
+from ..train.metrics import summarise_metrics
 from ..train.online import OnlineStates
-from . import RunContext, stage_fingerprint
-from .extract import expected_header, store_path
-from .tokenize import load_samples
-from .vocab import load_vocab
+from . import RunContext
+
+# extract: online training captures with the extract stage's backend and dtypes; the store header names its layers
+READS = ("train", "target", "extract")
+INPUTS = ("tokenize", "vocab", "extract")
 
 
-class _Subset:
-    """A view of a dataset restricted to some indices (held-out split)."""
-
-    def __init__(self, ds, idx: list[int]):
-        self.ds, self.idx = ds, idx
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-    def num_tokens(self, i: int) -> int:
-        return self.ds.num_tokens(self.idx[i])
-
-    def __getitem__(self, i: int) -> dict:
-        return self.ds[self.idx[i]]
-
-
-def load_drafter(folder: Path, embed: torch.Tensor):
-    """An existing drafter to fine-tune: an Eyas ``train/final`` folder (``draft_config.json``) or an SGLang
-    folder (``config.json`` with ``LlamaForCausalLMEagle3``). Returns (model, aux layer ids or None).
-    Raises :class:`EyasError` when the folder is neither."""
-    from safetensors.torch import load_file
-
-    from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    if (folder / "draft_config.json").exists():
-        meta = read_json(folder / "draft_config.json")
-        model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
-        missing, unexpected = model.load_state_dict(load_file(str(folder / "draft.safetensors")), strict=False)
-        bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
-        if bad or unexpected:
-            raise EyasError(f"{folder}: draft weights do not match: missing {bad}, unexpected {unexpected}")
-        if model.config.hidden_size == model.config.target_hidden_size:   # else it saved its own table
-            with torch.no_grad():
-                model.embed_tokens.weight.copy_(embed)
-        return model, meta.get("aux_layer_ids")
-    if (folder / "config.json").exists():
-        from ..export.sglang import load_sglang_draft
-
-        return load_sglang_draft(folder, embed)
-    raise EyasError(f"train.init_from: {folder} has neither draft_config.json (Eyas) nor config.json (SGLang)")
-
-
-def run(ctx: RunContext) -> dict:
+def run(ctx: RunContext) -> TrainSummary:
     cfg = ctx.cfg.train
-    out = ctx.stage_dir("train")
+    out = ctx.run.stage("train")
     target_cfg = read_target_config(ctx.cfg.target)
     embed, lm_head = load_target_head(ctx.cfg.target)
-    samples = load_samples(ctx)
+    samples = read_tokenized(ctx.run.tokenized)
     if cfg.mode == "offline":
-        store = HiddenStateStore.open(store_path(ctx))
+        store = HiddenStateStore.open(ctx.run.store)
         header = store.header
-        dataset = StoreDataset(samples, store, cfg.max_length)
+        dataset = SampleDataset(samples, cfg.max_length, store)
         states = stored_states
     else:
-        header = expected_header(ctx)
-        dataset = TokenDataset(samples, cfg.max_length)
+        header = expected_header(ctx.cfg.target, ctx.cfg.extract, ctx.run)
+        dataset = SampleDataset(samples, cfg.max_length)
         states = OnlineStates(ctx.cfg.target, ctx.cfg.extract, header.layer_ids, samples)
     layer_ids = header.layer_ids
     if cfg.init_from:
-        model, their_layers = load_drafter(Path(cfg.init_from).expanduser(), embed)
-        dcfg = model.config
-        if their_layers is not None and list(their_layers) != list(layer_ids):
+        # an engine folder's layers as SGLang reads them: eagle_config ids are output_of_layer (its own convention)
+        model, theirs = load_drafter(Path(cfg.init_from).expanduser(), embed, engine="sglang",
+                                     num_target_layers=int(text_config(target_cfg)["num_hidden_layers"]))
+        dcfg, their_layers = model.config, theirs.layer_ids(header.layer_convention)
+        if list(their_layers) != list(layer_ids):
             raise EyasError(f"train.init_from: {cfg.init_from} was trained on aux layers {their_layers}, this run "
                             f"captures {layer_ids} ({header.layer_convention}); they must match")
         if dcfg.vocab_size != int(embed.shape[0]) or dcfg.target_hidden_size != int(embed.shape[1]):
@@ -101,11 +66,11 @@ def run(ctx: RunContext) -> dict:
         ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
                 f"kept; the run's vocab stage is not used)")
     else:
-        d2t, t2d = load_vocab(ctx.stage_dir("vocab") / "vocab.safetensors")
+        d2t, t2d = load_vocab(ctx.run.vocab)
         dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
         model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
     train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
-    train_set, held_out = _Subset(dataset, train_idx), (_Subset(dataset, held_idx) if held_idx else None)
+    train_set, held_out = dataset.subset(train_idx), (dataset.subset(held_idx) if held_idx else None)
     if not len(train_set):  # the loop divides by the batches of an epoch
         raise EyasError(f"train: no training sample ({len(samples)} tokenized, {len(held_idx)} held out); the "
                         f"stages before it produced nothing to train on")
@@ -113,11 +78,11 @@ def run(ctx: RunContext) -> dict:
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "
             f"{n_params / 1e6:.1f}M trainable parameters, TTT {cfg.ttt_steps} steps, device {device}")
-    result = train(model, train_set, lm_head, cfg, out, device, stage_fingerprint(ctx.cfg, "train"), log=ctx.log,
+    result = train(model, train_set, lm_head, cfg, out, device, ctx.fingerprint, log=ctx.log,
                    states=states, held_out=held_out)
     import torch.distributed as tdist
 
-    summary = _write_final(out, result, dcfg, layer_ids, header, cfg, n_params) if result.final_state else None
+    summary = _write_final(ctx, result, dcfg, layer_ids, header, n_params) if result.final_state else None
     if tdist.is_initialized():  # every process returns process 0's summary (each writes the same done.json)
         box = [summary]
         tdist.broadcast_object_list(box, src=0)
@@ -125,45 +90,15 @@ def run(ctx: RunContext) -> dict:
     return summary
 
 
-def _write_final(out: Path, result, dcfg, layer_ids, header, cfg, n_params: int) -> dict:
-    """``train/final`` (weights + draft_config.json) and the stage summary; process 0 only."""
-    from safetensors.torch import save_file
-
-    final = out / "final"
-    final.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in result.final_state.items()},
-              str(final / "draft.safetensors"))
-    write_json_atomic(final / "draft_config.json", {
-        "draft": dcfg.to_dict(), "aux_layer_ids": layer_ids,
-        "layer_convention": header.layer_convention, "target": header.target,
-        "ttt_steps": cfg.ttt_steps,
-    })
-    summary = summarise_metrics(out / "metrics.jsonl", cfg.ttt_steps)
+def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int) -> TrainSummary:
+    """``train/final`` (a drafter folder) and the stage summary; process 0 only."""
+    cfg = ctx.cfg.train
+    write_drafter(ctx.run.drafter, DrafterWeights(
+        DrafterConfig(draft=dcfg, aux_layer_ids=layer_ids, layer_convention=header.layer_convention,
+                      own_embedding=dcfg.own_embedding, target=header.target, ttt_steps=cfg.ttt_steps),
+        result.final_state))
+    summary = summarise_metrics(ctx.run.train_metrics, cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
                    tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1),
                    stopped_early=result.stopped_early)
-    return summary
-
-
-def load_trained_draft(ctx: RunContext, device: torch.device):
-    """The trained draft of this run (from ``train/final``), with the target's embedding table, in eval mode."""
-    from safetensors.torch import load_file
-
-    from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
-
-    final = ctx.stage_dir("train") / "final"
-    meta = read_json(final / "draft_config.json")
-    model = Eagle3DraftModel(Eagle3Config(**meta["draft"]))
-    embed, _ = load_target_head(ctx.cfg.target)
-    state = load_file(str(final / "draft.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    bad = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
-    if bad or unexpected:
-        raise RuntimeError(f"draft weights do not match the model: missing {bad}, unexpected {unexpected}")
-    if not model.config.own_embedding:  # a draft of another width saved its own table with its weights
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
-    return model.to(device).eval(), meta
-
-
-__all__ = ["run", "load_trained_draft", "load_drafter", "json"]
+    return TrainSummary(**summary)

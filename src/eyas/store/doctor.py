@@ -15,7 +15,8 @@ Findings are ``missing`` (a dataset sample with no valid states), ``corrupt`` (d
 ``foreign`` (another run's or another configuration's data, or a sample id not in the dataset), ``stale`` (token ids
 differ from the dataset's), ``duplicate`` and ``orphan`` (unlisted files). ``--repair`` rewrites each manifest file
 atomically without exactly the bad entries, deletes files that nothing lists any more, and re-extracts exactly the
-samples that are then missing with the extract stage (same batch plan, so the repaired store equals a clean run).
+samples that are then missing (:func:`eyas.store.extraction.extract_store`, the extract stage's own: same batch plan,
+so the repaired store equals a clean run).
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..config import load_config
+from ..dtypes import DTYPES
 from ..errors import EyasError
-from ..io import iter_jsonl, read_json, write_text_atomic
+from ..io import iter_jsonl, read_json, split_jsonl, write_json_atomic, write_text_atomic
+from ..run_folder import RunFolder
+from .extraction import extract_store
 from .fp8 import fp8_has_nan
-from .shards import DTYPES, HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
+from .header import expected_header
+from .shards import HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
 
 KINDS = ("missing", "corrupt", "foreign", "stale", "duplicate", "orphan")
 
@@ -98,32 +104,23 @@ def locate(path: Path) -> tuple[Path | None, Path]:
     """``(run_dir or None, store folder)`` for a run directory or a store folder; raises :class:`EyasError`."""
     path = Path(path)
     if (path / "store.json").exists():
-        run = path.parent.parent
-        return (run if (run / "run.json").exists() else None), path
-    if (path / "run.json").exists():
-        return path, path / "extract" / "store"
+        run = RunFolder(path.parent.parent)
+        return (run.root if run.is_run() and run.store.resolve() == path.resolve() else None), path
+    if RunFolder(path).is_run():
+        return path, RunFolder(path).store
     raise EyasError(f"{path}: neither a run directory (run.json) nor a hidden-state store (store.json)")
-
-
-def _run_context(run_dir: Path):
-    from ..config import load_config
-    from ..stages import RunContext
-
-    cfg = load_config(run_dir / "config.yaml")
-    cfg.run_dir = str(run_dir)
-    return RunContext(cfg=cfg)
 
 
 def _read_records(store: HiddenStateStore, report: DoctorReport) -> list[ShardRecord]:
     recs = []
     for mf in store.manifest_files():
-        raw = mf.read_bytes().split(b"\n")
-        for lineno, line in enumerate(raw, 1):
+        lines, torn = split_jsonl(mf.read_bytes())
+        for lineno, line in enumerate(lines + [torn], 1):
             if not line.strip():
                 continue
             where = f"{mf.name}:{lineno}"
             try:
-                if lineno == len(raw):
+                if lineno > len(lines):
                     raise ValueError("torn last line (no newline)")
                 d = json.loads(line)
                 recs.append(ShardRecord(d["shard"], int(d["bytes"]), d["header_sha256"], d.get("run_id", "?"),
@@ -169,16 +166,15 @@ def diagnose(path: Path) -> DoctorReport:
     report = DoctorReport(store=root, run_dir=run_dir)
     dataset = None
     if run_dir is not None:
-        dataset = {d["id"]: d["input_ids"] for _, d in iter_jsonl(run_dir / "tokenize" / "samples.jsonl")}
+        dataset = {d["id"]: d["input_ids"] for _, d in iter_jsonl(RunFolder(run_dir).tokenized)}
     if not (root / "store.json").exists():
         for sid in dataset or {}:
             report._add("missing", "no hidden-state store yet", sample=sid)
         return report
     header = read_header(root / "store.json")
     if run_dir is not None:
-        from ..stages.extract import expected_header
-
-        expected = expected_header(_run_context(run_dir))
+        cfg = load_config(RunFolder(run_dir).config_yaml)
+        expected = expected_header(cfg.target, cfg.extract, RunFolder(run_dir))
         diff = [k for k, v in expected.identity().items() if header.identity().get(k) != v]
         if diff:
             report.store_foreign = True
@@ -268,14 +264,10 @@ def repair(report: DoctorReport, log=print) -> DoctorReport:
         log(f"[eyas] doctor: manifest rewritten without {c['corrupt'] + c['foreign'] + c['stale'] + c['duplicate']} "
             f"bad findings, {len(report.orphan_files)} unlisted files deleted; re-extracting {c['missing']} "
             f"missing samples")
-    from ..stages import extract
-
-    ctx = _run_context(report.run_dir)
-    summary = extract.run(ctx)
-    done = ctx.stage_dir("extract") / "done.json"
-    if done.exists():
-        from ..io import write_json_atomic
-
-        write_json_atomic(done, {**read_json(done), "summary": summary})
+    run = RunFolder(report.run_dir)
+    cfg = load_config(run.config_yaml)
+    summary = extract_store(cfg.target, cfg.extract, run, log)
+    if run.done("extract").exists():
+        write_json_atomic(run.done("extract"), {**read_json(run.done("extract")), "summary": summary.to_json()})
     return diagnose(report.run_dir)
 

@@ -30,7 +30,6 @@ sample (:mod:`eyas.store.doctor`).
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 from dataclasses import asdict, dataclass, field
@@ -39,13 +38,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..dtypes import DTYPES, SAFETENSORS_CODES
 from ..errors import StoreError
-from ..io import JsonlAppender, atomic_path, read_json, sha256_bytes, write_json_atomic
+from ..io import JsonlAppender, atomic_path, read_json, repair_jsonl_tail, sha256_bytes, split_jsonl, write_json_atomic
 from .fp8 import FP8, dequantize_fp8, fp8_has_nan, quantize_fp8
 
 FORMAT_VERSION = 2
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-AUX_FORMATS = ("same", "float8_e4m3fn")  # "same": aux stored in the store dtype
 
 
 @dataclass
@@ -177,10 +175,6 @@ def read_safetensors_header(path: Path) -> tuple[bytes, dict]:
     return head + raw, meta
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-              torch.int64: "I64", FP8: "F8_E4M3"}
-
-
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``tensors`` back to back, in dict order.
 
@@ -195,7 +189,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     offset = 0
     for k, t in tensors.items():
         n = t.numel() * t.element_size()
-        meta[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        meta[k] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     js = json.dumps(meta, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
@@ -270,10 +264,7 @@ class HiddenStateStore:
         appended, so its shard is an orphan) is ignored. Raises :class:`StoreError` on any other bad line."""
         recs = []
         for mf in self.manifest_files():
-            data = mf.read_bytes()
-            lines = data.split(b"\n")
-            if lines and lines[-1]:  # no trailing newline: torn tail
-                lines = lines[:-1]
+            lines, _torn = split_jsonl(mf.read_bytes())
             for lineno, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
@@ -312,7 +303,7 @@ class HiddenStateStore:
         replaced, foreign): run ``eyas doctor RUN --repair`` for those.
         """
         for mf in self.manifest_files():
-            _cut_torn_tail(mf)
+            repair_jsonl_tail(mf)
         records = self.manifest_records()
         listed = {rec.shard: rec for rec in records}
         sdir = self.root / "shards"
@@ -402,16 +393,6 @@ def read_header(path: Path) -> StoreHeader:
         return StoreHeader(**d)
     except TypeError as e:
         raise StoreError(f"{path}: not an Eyas store header ({e})") from None
-
-
-def _cut_torn_tail(path: Path) -> None:
-    """Remove a last line without its newline (a crash while appending it)."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "rb+") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-            f.flush()
-            os.fsync(f.fileno())
 
 
 class ShardWriter:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..config import TargetConfig, resolve_path
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..io import sha256_file
 
@@ -39,9 +40,6 @@ def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def materialize_target(cfg: TargetConfig) -> Path:

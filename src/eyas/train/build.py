@@ -11,12 +11,6 @@ from ..families import draft_attention_defaults, rope_parameters, text_config
 from ..model.eagle3 import Eagle3Config, Eagle3DraftModel
 
 
-def rope_parameters_of(target_cfg: dict) -> dict:
-    """The target's RoPE settings as a transformers-5 ``rope_parameters`` dict (v4 fields too; per-family rules,
-    e.g. Gemma 3's per-layer-type RoPE, in :func:`eyas.families.rope_parameters`)."""
-    return rope_parameters(target_cfg)
-
-
 def draft_config_for(target_cfg: dict, draft: DraftConfig, draft_vocab_size: int, num_aux_layers: int) -> Eagle3Config:
     """The draft's :class:`Eagle3Config` for a target config dict; unset ``draft`` fields follow the target
     (per family: :func:`eyas.families.draft_attention_defaults`, e.g. ``head_dim = v_head_dim`` for MLA targets).

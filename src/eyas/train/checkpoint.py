@@ -27,7 +27,7 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optimizer_state: d
     """Write ``step-{step:08d}`` atomically and delete all but the newest ``keep_last`` checkpoints.
 
     ``model_state``: the draft's trainable tensors (names as the served checkpoint's); ``optimizer_state``: a
-    full optimizer state dict (:meth:`eyas.train.distributed.Dist.optimizer_state`); ``state``: JSON-able.
+    full optimizer state dict (:meth:`eyas.distributed.Dist.optimizer_state`); ``state``: JSON-able.
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"

@@ -1,4 +1,4 @@
-"""Training batches from the store (offline): tokenized ids and loss masks joined with stored hidden states.
+"""Training samples: tokenized ids and loss masks, joined offline with the stored hidden states; batching.
 
 Every sample's stored ``input_ids`` are checked against the tokenized dataset's before use: a state computed from
 other tokens (a stale or foreign store) stops the run with the sample id named.
@@ -13,17 +13,20 @@ from ..records import TokenizedSample
 from ..store import HiddenStateStore
 
 
-class StoreDataset:
-    """``ds[i]`` -> dict of ``input_ids`` int64 [T], ``loss_mask`` [T], ``aux`` [T, L*Ht], ``last`` [T, Ht], ``id``.
+class SampleDataset:
+    """``ds[i]`` -> dict of ``id``, ``input_ids`` int64 [T], ``loss_mask`` int64 [T] and, with a ``store``
+    (offline), ``aux`` [T, L*Ht] and ``last`` [T, Ht] in the store dtype. Online (no store) the target makes the
+    states per batch. Samples longer than ``max_length`` are cut to their first ``max_length`` tokens.
 
-    Samples longer than ``max_length`` are cut to their first ``max_length`` tokens.
+    Raises :class:`StoreError` when a sample has no stored states, or states of other token ids.
     """
 
-    def __init__(self, samples: list[TokenizedSample], store: HiddenStateStore, max_length: int):
-        missing = [s.id for s in samples if s.id not in store]
-        if missing:
-            raise StoreError(f"{len(missing)} samples have no stored hidden states (first: {missing[0]}); "
-                             f"run `eyas extract` (or `eyas doctor --repair`)")
+    def __init__(self, samples: list[TokenizedSample], max_length: int, store: HiddenStateStore | None = None):
+        if store is not None:
+            missing = [s.id for s in samples if s.id not in store]
+            if missing:
+                raise StoreError(f"{len(missing)} samples have no stored hidden states (first: {missing[0]}); "
+                                 f"run `eyas extract` (or `eyas doctor --repair`)")
         self.samples, self.store, self.max_length = samples, store, max_length
 
     def __len__(self) -> int:
@@ -32,37 +35,23 @@ class StoreDataset:
     def num_tokens(self, i: int) -> int:
         return min(self.samples[i].num_tokens, self.max_length)
 
-    def __getitem__(self, i: int) -> dict:
-        s = self.samples[i]
-        st = self.store.read(s.id)
-        ids = torch.tensor(s.input_ids, dtype=torch.int64)
-        if st.input_ids.shape != ids.shape or not torch.equal(st.input_ids.long(), ids):
-            raise StoreError(f"sample {s.id}: stored input_ids differ from the tokenized dataset "
-                             f"(stale or foreign hidden states); run `eyas doctor RUN --repair`")
-        n = min(len(ids), self.max_length)
-        T, L, H = st.aux.shape
-        return {"id": s.id, "input_ids": ids[:n], "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64),
-                "aux": st.aux[:n].reshape(n, L * H), "last": st.last[:n]}
-
-
-class TokenDataset:
-    """Online training: ``ds[i]`` -> dict of ``input_ids`` int64 [T], ``loss_mask`` [T], ``id`` (no stored states:
-    the target makes them per batch). Samples longer than ``max_length`` are cut to their first ``max_length``."""
-
-    def __init__(self, samples: list[TokenizedSample], max_length: int):
-        self.samples, self.max_length = samples, max_length
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def num_tokens(self, i: int) -> int:
-        return min(self.samples[i].num_tokens, self.max_length)
+    def subset(self, indices: list[int]) -> "SampleDataset":
+        """The samples at ``indices``, in that order (e.g. the held-out split)."""
+        return SampleDataset([self.samples[i] for i in indices], self.max_length, self.store)
 
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
         n = min(s.num_tokens, self.max_length)
-        return {"id": s.id, "input_ids": torch.tensor(s.input_ids[:n], dtype=torch.int64),
-                "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64)}
+        ids = torch.tensor(s.input_ids, dtype=torch.int64)
+        item = {"id": s.id, "input_ids": ids[:n], "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64)}
+        if self.store is None:
+            return item
+        st = self.store.read(s.id)
+        if st.input_ids.shape != ids.shape or not torch.equal(st.input_ids.long(), ids):
+            raise StoreError(f"sample {s.id}: stored input_ids differ from the tokenized dataset "
+                             f"(stale or foreign hidden states); run `eyas doctor RUN --repair`")
+        T, L, H = st.aux.shape
+        return {**item, "aux": st.aux[:n].reshape(n, L * H), "last": st.last[:n]}
 
 
 def collate(items: list[dict], pad_to: int = 1) -> dict:

@@ -3,7 +3,7 @@ evaluate, checkpoint.
 
 Exact resume: the batches are a function of (seed, epoch) only (:func:`eyas.train.data.epoch_plan`), and a
 checkpoint holds the model, optimizer, step and data position, so a resumed run continues with the same batches
-and, on CPU, the same loss trajectory step for step. Distribution is the :class:`~eyas.train.distributed.Dist`
+and, on CPU, the same loss trajectory step for step. Distribution is the :class:`~eyas.distributed.Dist`
 context applied once; see that module for why N processes equal one process with an N times larger batch.
 """
 
@@ -14,7 +14,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,13 +23,14 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import TrainConfig
+from ..distributed import Dist
 from ..errors import EyasError
 from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .data import collate, epoch_plan, micro_batch_loader
-from .distributed import Dist
 from .loss import TargetLabels, step_counts, target_labels, ttt_loss_fused
+from .metrics import StepMetrics
 
 # batch dict (from collate, on the device) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] filled
 # (offline: already there; online: the target run on the batch)
@@ -71,38 +72,6 @@ class Speed:
         return cls(compile=cfg.compile if cfg.compile is not None else cuda,
                    autocast=cfg.autocast == "bfloat16" or (cfg.autocast == "auto" and cuda),
                    workers=workers, pad_to=64 if cuda else 1)
-
-
-@dataclass
-class StepMetrics:
-    """One optimizer step as logged to ``metrics.jsonl`` (flattened by :meth:`to_json`: ``loss_k``, ``acc_k``,
-    ``count_k`` per TTT step k). ``loss``: the weighted TTT loss averaged over micro-batches; ``acc_k``: share of
-    counted positions where the draft's argmax equals the target's; ``tokens``: real tokens seen so far;
-    ``tokens_per_s``: since the run (or resume) started; ``recent_tokens_per_s``: since the previous step."""
-
-    step: int
-    loss: float
-    loss_k: list[float]
-    acc_k: list[float]
-    count_k: list[int]
-    lr: float
-    grad_norm: float
-    tokens: int
-    tokens_per_s: float
-    recent_tokens_per_s: float
-    gpu_max_memory_gb: float | None = None
-    eval: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = {"step": self.step, "loss": self.loss}
-        for k, (lo, ac, co) in enumerate(zip(self.loss_k, self.acc_k, self.count_k)):
-            d.update({f"loss_{k}": lo, f"acc_{k}": ac, f"count_{k}": co})
-        d.update(lr=self.lr, grad_norm=self.grad_norm, tokens=self.tokens, tokens_per_s=self.tokens_per_s,
-                 recent_tokens_per_s=self.recent_tokens_per_s)
-        if self.gpu_max_memory_gb is not None:
-            d["gpu_max_memory_gb"] = self.gpu_max_memory_gb
-        d.update(self.eval)
-        return d
 
 
 class StepSums:
@@ -241,8 +210,8 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
 
     Args:
         dataset: ``len``, ``num_tokens(i)`` and ``ds[i]`` -> dict (``input_ids``, ``loss_mask``, ``id`` and, offline,
-            ``aux``/``last``): :class:`~eyas.train.data.StoreDataset` or :class:`~eyas.train.data.TokenDataset`.
-            Picklable when ``train.loader_workers`` > 0 (the workers build batches from it).
+            ``aux``/``last``): :class:`~eyas.train.data.SampleDataset`. Picklable when ``train.loader_workers`` > 0
+            (the workers build batches from it).
         lm_head: [V, Ht] the target's lm_head weight (soft labels come from it and the post-norm last state).
         states: fills ``aux``/``last`` of a device batch: :func:`stored_states` (offline) or the target run on the
             batch (online, :class:`eyas.train.online.OnlineStates`).
@@ -328,10 +297,11 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
             gpu_max_memory_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None)
         t_prev = now
         if held_out is not None and len(held_out) and (step % cfg.eval_every == 0 or step == total_steps):
-            metrics.eval = evaluate_held_out(step_module, held_out, states, lm_head, draft_ids, t2d, cfg, dist,
-                                             autocast, float_dtype, speed.pad_to)
-            gain = metrics.eval["eval_acc_0"] - best_acc
-            best_acc, evals_without_gain = max(best_acc, metrics.eval["eval_acc_0"]), (
+            ev = evaluate_held_out(step_module, held_out, states, lm_head, draft_ids, t2d, cfg, dist, autocast,
+                                   float_dtype, speed.pad_to)
+            metrics.eval_loss, metrics.eval_acc_k = ev["eval_loss"], [ev[f"eval_acc_{k}"] for k in range(K)]
+            gain = metrics.eval_acc_k[0] - best_acc
+            best_acc, evals_without_gain = max(best_acc, metrics.eval_acc_k[0]), (
                 0 if gain > cfg.stop_min_gain else evals_without_gain + 1)
             stopped_early = bool(cfg.stop_after_no_gain) and evals_without_gain >= cfg.stop_after_no_gain
         if writers:
@@ -476,20 +446,3 @@ class _Writers:
         if self.wandb is not None:
             self.wandb.finish()
 
-
-def summarise_metrics(path: Path, ttt_steps: int, last_fraction: float = 0.1) -> dict:
-    """Mean loss and per-step accuracy over the last ``last_fraction`` of logged steps (a stable end-of-run view)."""
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    if not rows:
-        return {}
-    tail = rows[-max(1, int(len(rows) * last_fraction)):]
-    out = {"loss": sum(r["loss"] for r in tail) / len(tail),
-           "first_loss": rows[0]["loss"], "steps": rows[-1]["step"]}
-    for k in range(ttt_steps):
-        out[f"acc_{k}"] = sum(r.get(f"acc_{k}", 0.0) for r in tail) / len(tail)
-    evals = [r for r in rows if "eval_loss" in r]
-    if evals:
-        out["eval_loss"] = evals[-1]["eval_loss"]
-        for k in range(ttt_steps):
-            out[f"eval_acc_{k}"] = evals[-1][f"eval_acc_{k}"]
-    return out

@@ -161,7 +161,7 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
     Returns:
         (loss scalar fp32, metrics dict with ``loss_k``, ``acc_k``, ``count_k`` as :func:`ttt_loss`, plus
         ``hits_k``, the count of argmax agreements). The metric values stay tensors on the device (no host sync
-        inside the step); :func:`metrics_to_host` converts them.
+        inside the step); the loop moves them to the host once per optimizer step.
     """
     cd = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else (
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else lm_head_weight.dtype)
@@ -190,8 +190,3 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
 def step_counts(labels: TargetLabels, ttt_steps: int) -> torch.Tensor:
     """fp32 [K]: the positions step k counts in this batch (valid labels at s >= 1 + k)."""
     return torch.stack([labels.valid[:, 1 + k:].sum() for k in range(ttt_steps)]).float()
-
-
-def metrics_to_host(metrics: dict) -> dict:
-    """Device tensors of a metrics dict -> Python numbers (``count_*`` as int)."""
-    return {k: (int(v) if k.startswith("count_") else float(v)) for k, v in metrics.items()}

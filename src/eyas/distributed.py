@@ -1,9 +1,11 @@
 """Distribution, applied in one place: a small context object that is a no-op on one process.
 
-``torchrun --nproc-per-node N -m eyas.cli train CONFIG`` starts N processes; :meth:`Dist.from_env` joins them
-(NCCL on CUDA, gloo on CPU) and :meth:`Dist.wrap` wraps the draft once, with DDP or FSDP2 (``fully_shard``), as
-``train.distributed`` says. The loop never asks whether it is distributed: it calls :meth:`Dist.all_reduce`,
-:meth:`Dist.model_state` and friends, which are identities on one process.
+``torchrun --nproc-per-node N -m eyas.cli train CONFIG`` (or ``extract``) starts N processes; :meth:`Dist.from_env`
+joins them (NCCL on CUDA, gloo on CPU). Training: :meth:`Dist.wrap` wraps the draft once, with DDP or FSDP2
+(``fully_shard``), as ``train.distributed`` says. Extraction: each process takes its share of the batch plan and
+meets the others at :meth:`Dist.barrier`. The loop does not branch on the strategy or the process count: it calls
+:meth:`Dist.all_reduce`, :meth:`Dist.model_state` and friends, which are identities on one process; the one thing
+it asks is :attr:`Dist.is_main`, because only process 0 writes metrics and checkpoints.
 
 Exactness across process counts: each TTT step's loss is a mean over the counted positions of the *global* batch
 (the per-step counts are all-reduced before the loss), and each process scales its loss by the world size so that
@@ -14,7 +16,7 @@ same loss and gradients as one process with micro-batch N*B (tested on CPU with 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -24,14 +26,21 @@ from torch import nn
 Strategy = Literal["ddp", "fsdp"]
 
 
+def process_rank() -> int:
+    """This process's rank under torchrun (``RANK``), 0 otherwise; readable before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
 @dataclass
 class Dist:
-    """rank/world of this process and the device it computes on."""
+    """rank/world of this process and the device it computes on. ``owns_group``: :meth:`from_env` created the
+    process group, so :meth:`close` destroys it."""
 
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
     strategy: Strategy = "ddp"
+    owns_group: bool = field(default=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -47,9 +56,10 @@ class Dist:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        if not dist.is_initialized():
+        owns = not dist.is_initialized()
+        if owns:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), device, strategy)
+        return cls(dist.get_rank(), dist.get_world_size(), device, strategy, owns)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model as the loop trains it: unchanged on one process; DDP or FSDP2 (``fully_shard`` on the decoder
@@ -99,14 +109,14 @@ class Dist:
         set_optimizer_state_dict(model, opt, opt_state, options=opts)
 
     def barrier(self) -> None:
+        """Wait for every process (no-op on one process)."""
         if self.world > 1:
-            dist.barrier()
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
 
     def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
+        """Destroy the process group if :meth:`from_env` created it."""
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The draft inside a DDP wrapper (FSDP2 modifies the module in place, so it is the module itself)."""
-    return getattr(model, "module", model)

@@ -1,0 +1,163 @@
+"""Fill a run's store: target hidden states (aux layers + post-norm last state) of every tokenized sample, keyed by
+sample id. The extract stage runs :func:`extract_store`; ``eyas doctor --repair`` runs it again for exactly the
+samples a repair dropped.
+
+Only samples of the run's tokenized dataset are captured: the backend (``extract.backend``, :mod:`eyas.capture`)
+is given those samples and whatever it yields is checked against them (id asked for, same token ids) before it
+reaches the writer, so nothing else (warm-up, health checks, another run's samples) can enter the store. Each
+sample is validated before commit (row count equals token count, width equals layers x H, dtype, finite) and
+shards are committed atomically (:mod:`eyas.store.shards`).
+
+Batches are planned once from the whole dataset (:func:`plan_batches`); a re-run (after a crash, or
+``eyas doctor --repair``) recomputes only the planned batches that hold a missing sample and stores only the missing
+samples, so a resumed store is bit-identical to an uninterrupted one on the same machine.
+
+Data parallel: ``torchrun --nproc-per-node G -m eyas.cli extract CONFIG`` runs one target replica per rank (GPU
+``LOCAL_RANK``, or CPU with gloo); rank r takes planned batches r, r+G, ... of the work and writes its own shards
+and ``manifest/rank-r.jsonl``. Rank 0 cleans the store before the others start; every rank has committed its
+samples when :func:`extract_store` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from tqdm import tqdm
+
+from ..batching import token_budget_batches
+from ..capture import make_backend
+from ..config import ExtractConfig, TargetConfig
+from ..distributed import Dist
+from ..errors import ConfigError, DataError, StoreError
+from ..records import TokenizedSample, read_tokenized
+from ..run_folder import RunFolder
+from ..summaries import ExtractSummary
+from ..targets.load import resolve_device
+from .header import expected_header
+from .pipeline import BackgroundWriter
+from .shards import HiddenStateStore, StoreHeader
+from .space import check_disk_space, store_bytes_per_token
+
+
+def plan_batches(samples: list[TokenizedSample], batch_tokens: int) -> list[list[TokenizedSample]]:
+    """The run's batch plan: samples sorted by length (longest first, ties in dataset order), cut into batches of
+    at most ``batch_tokens`` padded tokens (:func:`eyas.batching.token_budget_batches`).
+    Depends only on the dataset and the budget, so a resumed run recomputes exactly the same batches."""
+    return [[samples[i] for i in b] for b in token_budget_batches([s.num_tokens for s in samples], batch_tokens)]
+
+
+def extract_store(target: TargetConfig, extract: ExtractConfig, run: RunFolder,
+                  log: Callable[[str], None] = print) -> ExtractSummary:
+    """Capture every tokenized sample of ``run`` that its store lacks; returns the summary (samples, tokens, layer
+    ids, store bytes, bytes per token, tokens/s). Under torchrun every process calls this, each with its share.
+
+    Raises :class:`StoreError` when samples are still missing at the end, or the store belongs to another run or
+    configuration; :class:`ConfigError` for ``extract.device_map`` under torchrun.
+    """
+    dist = Dist.from_env(resolve_device(target.device))
+    try:
+        if dist.world > 1 and extract.device_map:
+            raise ConfigError("extract.device_map: spreading one target over all GPUs cannot be combined with "
+                              "torchrun data parallelism; use one or the other")
+        samples = read_tokenized(run.tokenized)
+        if not samples:
+            raise DataError(f"extract: {run.tokenized} holds no sample; rerun tokenize with --force")
+        header = expected_header(target, extract, run)
+        check_store_space(extract, run, header, samples, log)   # every rank, before any writes: all stop alike
+        if dist.rank == 0:  # cleans orphans and temporaries: nobody else may be writing yet
+            store = HiddenStateStore.create_or_open(run.store, header)
+            resumed = store.validate_for_resume()
+            if len(store):
+                log(f"[eyas] extract: resuming, {len(store)} samples already stored and validated "
+                    f"({resumed['orphans_removed']} orphan files removed)")
+        dist.barrier()
+        if dist.rank != 0:
+            store = HiddenStateStore.create_or_open(run.store, header)
+        stats = extract_missing(target, extract, store, samples, dist, log)
+        dist.barrier()  # every rank's samples are committed
+        store.reload()
+    finally:
+        dist.close()
+    missing = [s.id for s in samples if s.id not in store]
+    if missing:
+        raise StoreError(f"extract finished with {len(missing)} samples missing (first: {missing[0]})")
+    total_tokens = sum(store.entry(s.id).tokens for s in samples)
+    total_bytes = sum(r.bytes for r in store.manifest_records())
+    return ExtractSummary(samples=len(samples), tokens=total_tokens, layer_ids=header.layer_ids,
+                          layer_convention=header.layer_convention, dtype=extract.dtype, aux_format=extract.aux_format,
+                          store_bytes=total_bytes, bytes_per_token=round(total_bytes / max(total_tokens, 1), 1),
+                          tokens_per_s=stats.get("tokens_per_s"), ranks=dist.world)
+
+
+def check_store_space(extract: ExtractConfig, run: RunFolder, header: StoreHeader, samples: list[TokenizedSample],
+                      log: Callable[[str], None] = print) -> int:
+    """State the bytes extraction will write (the samples the store lacks, at the store's bytes per token, plus one
+    shard in flight per process) and refuse to start when the store's disk has less free space, unless
+    ``extract.ignore_disk_space``. Returns the bytes it will write. Raises :class:`StoreError` (names both sizes)."""
+    import os
+
+    from ..plan import human_bytes
+
+    stored: set[str] = set()
+    if (run.store / "store.json").exists():
+        try:
+            stored = set(HiddenStateStore.open(run.store).ids())
+        except StoreError:
+            stored = set()   # an unreadable or foreign store is refused by create_or_open, with its reason
+    todo = [s for s in samples if s.id not in stored]
+    tokens = sum(s.num_tokens for s in todo)
+    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    need = tokens * per_token + (extract.shard_bytes * world if todo else 0)
+    log(f"[eyas] extract: will write {human_bytes(need)} ({len(todo)} samples, {tokens:,} tokens x {per_token:,} "
+        f"bytes/token, plus one shard in flight per process) to {run.store}")
+    check_disk_space(need, run.store, ignore=extract.ignore_disk_space, what="extract", log=log)
+    return need
+
+
+def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenStateStore,
+                    samples: list[TokenizedSample], dist: Dist | None = None,
+                    log: Callable[[str], None] = print) -> dict:
+    """Capture and store every sample of ``samples`` that ``store`` lacks (this rank's share of the work).
+
+    Recomputes each planned batch that holds a missing sample; only missing samples are written. Raises
+    :class:`StoreError` when the backend yields a sample id it was not asked for, or other token ids.
+    """
+    dist = dist or Dist()
+    work = [b for b in plan_batches(samples, extract.batch_tokens) if any(s.id not in store for s in b)]
+    mine = work[dist.rank::dist.world]
+    if not mine:
+        return {"tokens": 0}
+    asked = {s.id: s for b in mine for s in b}
+    wanted = {sid for sid in asked if sid not in store}
+    # under torchrun on GPUs each rank's replica goes to its own GPU; else the configured device
+    device = str(dist.device) if dist.world > 1 and dist.device.type == "cuda" else None
+    backend = make_backend(extract.backend, target, extract, store.header.layer_ids, device)
+    writer = BackgroundWriter(store.shard_writer(rank=dist.rank), extract.shard_bytes)
+    bar = tqdm(total=sum(asked[s].num_tokens for s in wanted), desc=f"extract[{dist.rank}]", unit="tok",
+               unit_scale=True, dynamic_ncols=True, disable=dist.rank != 0)
+    t0 = time.time()
+    try:
+        for cs in backend.capture([s for b in mine for s in b]):
+            s = asked.get(cs.sample_id)
+            if s is None:
+                raise StoreError(f"capture backend {backend.engine.get('name')} returned sample "
+                                 f"{cs.sample_id!r}, which was not asked for: refused (FIELD_NOTES rule 1)")
+            if cs.input_ids.shape[0] != s.num_tokens or cs.input_ids.tolist() != s.input_ids:
+                raise StoreError(f"sample {s.id}: the backend computed states for other token ids than the "
+                                 f"tokenized dataset's")
+            if s.id in wanted:
+                wanted.discard(s.id)
+                writer.put(cs)
+                bar.update(s.num_tokens)
+    finally:
+        try:
+            writer.close()  # commit whatever is complete, even on an interruption
+        finally:
+            backend.close()
+            bar.close()
+    seconds = time.time() - t0
+    log(f"[eyas] extract[{dist.rank}]: {writer.tokens} tokens in {seconds:.1f} s "
+        f"({writer.tokens / max(seconds, 1e-9):.0f} tokens/s)")
+    return {"tokens": writer.tokens, "tokens_per_s": round(writer.tokens / max(seconds, 1e-9), 1)}

@@ -1,0 +1,86 @@
+"""The tests' one tiny-model factory: random, oddly sized real architectures (a Llama target, an EAGLE-3 draft),
+each test choosing its own odd shape; plus the chi-square test the sampling tests share."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel
+
+
+def tiny_target(*, hidden: int = 36, intermediate: int = 70, layers: int = 6, heads: int = 3, kv_heads: int = 1,
+                head_dim: int = 12, vocab: int = 99, max_positions: int = 128, seed: int = 0,
+                **config) -> LlamaForCausalLM:
+    """A random-weight Llama target (untied lm_head), eval mode; ``seed`` is set just before the weights are drawn;
+    ``config``: more ``LlamaConfig`` fields."""
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+                      max_position_embeddings=max_positions, tie_word_embeddings=False, **config)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def draft_config(*, hidden: int = 16, intermediate: int = 23, heads: int = 4, kv_heads: int = 2, head_dim: int = 4,
+                 target_hidden: int | None = None, vocab: int = 99, draft_vocab: int = 13, **fields) -> Eagle3Config:
+    """An :class:`Eagle3Config`; the target is as wide as the draft unless ``target_hidden`` says otherwise."""
+    return Eagle3Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, head_dim=head_dim, target_hidden_size=target_hidden or hidden,
+                        vocab_size=vocab, draft_vocab_size=draft_vocab, **fields)
+
+
+def tiny_draft(cfg: Eagle3Config | None = None, *, seed: int = 0,
+               draft_ids: torch.Tensor | None = None) -> Eagle3DraftModel:
+    """A random draft (``seed`` set just before the weights are drawn); with ``draft_ids`` (ascending target ids of
+    the draft vocabulary) its ``d2t``/``t2d`` describe that vocabulary."""
+    cfg = cfg or draft_config()
+    torch.manual_seed(seed)
+    m = Eagle3DraftModel(cfg)
+    if draft_ids is not None:
+        set_vocab(m, draft_ids)
+    return m
+
+
+def set_vocab(m: Eagle3DraftModel, draft_ids: torch.Tensor) -> None:
+    """Give a draft the vocabulary maps of ``draft_ids`` (ascending target ids)."""
+    with torch.no_grad():
+        m.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        m.t2d.zero_()
+        m.t2d[draft_ids] = True
+
+
+# ---------------------------------------------------------------- the reference decoder's pair
+
+
+def sharp_target(seed: int = 0, vocab: int = 11, sharp: float = 4.0) -> LlamaForCausalLM:
+    """A 5-layer target with peaked next-token distributions (lm_head scaled by ``sharp``), so drafts get
+    accepted sometimes."""
+    m = tiny_target(hidden=24, intermediate=37, layers=5, heads=4, kv_heads=2, head_dim=6, vocab=vocab,
+                    max_positions=256, seed=seed)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(sharp)
+    return m
+
+
+def draft_for(target: LlamaForCausalLM, seed: int = 1, draft_vocab: int = 7) -> Eagle3DraftModel:
+    """A random draft for :func:`sharp_target`: its embedding table, a random draft vocabulary, a sharpened head."""
+    V = target.config.vocab_size
+    d = tiny_draft(draft_config(hidden=24, intermediate=29, heads=4, kv_heads=2, head_dim=6, vocab=V,
+                                draft_vocab=draft_vocab), seed=seed).eval()
+    ids = torch.tensor(sorted(torch.randperm(V)[:draft_vocab].tolist()))
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        d.d2t.copy_(ids - torch.arange(draft_vocab))
+        d.lm_head.weight.mul_(3.0)
+    return d
+
+
+def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
+    n = observed.sum()
+    exp = expected_p * n
+    small = exp < 5
+    o = torch.cat([observed[~small], observed[small].sum()[None]]) if small.any() else observed
+    e = torch.cat([exp[~small], exp[small].sum()[None]]) if small.any() else exp
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(o) - 1) / 2), stat / 2))

@@ -1,0 +1,53 @@
+"""Stage fingerprints: a stage's hash covers the config it reads and what its inputs were made with, nothing else.
+(tests/e2e/test_fingerprints.py checks the declarations against what each stage really reads.)"""
+
+from eyas.config import RunConfig
+from eyas.io import stable_hash
+from eyas.stages import dependencies, stage_fingerprint
+
+BASE = {"run_dir": "runs/x", "target": {"model": "some/folder"}, "prepare": {"sources": [{"path": "a.jsonl"}]}}
+
+
+def _with(cfg: RunConfig, section: str, **fields) -> RunConfig:
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update=fields)})
+
+
+def test_generate_fingerprint_covers_the_chat_template_arguments():
+    """generate renders its prompts with tokenize.chat_template_kwargs: replies made under another template must
+    not be reused (issue 14: they were)."""
+    cfg = RunConfig.model_validate(BASE)
+    thinking_off = _with(cfg, "tokenize", chat_template_kwargs={"enable_thinking": False})
+    assert stage_fingerprint(cfg, "generate") != stage_fingerprint(thinking_off, "generate")
+    # tokenize.max_length is generate's default prompt limit (turns past it are not generated): covered too
+    longer = _with(cfg, "tokenize", max_length=4096)
+    assert stage_fingerprint(cfg, "generate") != stage_fingerprint(longer, "generate")
+    assert stage_fingerprint(cfg, "tokenize") != stage_fingerprint(longer, "tokenize")
+    # the vocabulary does not make replies: generate is kept
+    assert stage_fingerprint(cfg, "generate") == stage_fingerprint(_with(cfg, "vocab", draft_vocab_size=99), "generate")
+
+
+def test_fingerprints_follow_the_inputs_and_skip_neutral_fields():
+    cfg = RunConfig.model_validate(BASE)
+    assert stage_fingerprint(_with(cfg, "train", lr=3e-4), "export") != stage_fingerprint(cfg, "export")
+    assert stage_fingerprint(_with(cfg, "train", lr=3e-4), "extract") == stage_fingerprint(cfg, "extract")
+    assert stage_fingerprint(_with(cfg, "vocab", draft_vocab_size=99), "extract") == stage_fingerprint(cfg, "extract")
+    # where a stage runs and how often it logs do not change its output
+    assert stage_fingerprint(_with(cfg, "train", device="cpu", log_every=1), "train") == stage_fingerprint(cfg, "train")
+    assert stage_fingerprint(_with(cfg, "target", device="cuda:1"), "prepare") == stage_fingerprint(cfg, "prepare")
+
+
+def test_section_fingerprints_keep_their_format():
+    """A stage whose dependencies are whole sections hashes them as before (training checkpoints hold the train
+    fingerprint: a changed format would refuse to resume them)."""
+    cfg = RunConfig.model_validate(BASE)
+    deps = dependencies("train")
+    assert deps == ("extract", "generate", "prepare", "target", "tokenize", "train", "vocab")
+    target = cfg.target.model_dump(mode="json")
+    train = cfg.train.model_dump(mode="json")
+    for k in ("device", "cache_dir"):
+        target.pop(k)
+    for k in ("device", "log_every", "loader_workers"):   # where and how fast, not what
+        train.pop(k)
+    fp = stage_fingerprint(cfg, "train")
+    assert fp["target"] == stable_hash(target) and fp["train"] == stable_hash(train)
+    assert fp["vocab"] == stable_hash(cfg.vocab.model_dump(mode="json"))
