@@ -12,9 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ..dtypes import DTYPES
 from ..errors import StoreError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ID_BYTES = 4  # input_ids are stored as int32
 
 
@@ -25,7 +25,7 @@ def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "b
     bf16: ``(num_aux + 1) * H * 2``; ``aux_fp8``: ``num_aux * (H + 4) + H * bytes(dtype)`` (e4m3 values, one fp32
     scale per token and layer, last state unquantised). Raises ``KeyError`` for an unknown dtype.
     """
-    b = DTYPE_BYTES[dtype]
+    b = DTYPES[dtype].itemsize
     aux = num_aux * (hidden_size + 4) if aux_fp8 else num_aux * hidden_size * b
     return aux + hidden_size * b
 
