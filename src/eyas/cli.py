@@ -17,7 +17,7 @@ from rich.table import Table
 from .config import load_config
 from .errors import EyasError
 from .run_folder import STAGES
-from .stages import RunContext, init_run_dir, run_stage, stage_module, stage_seconds
+from .stages import RunContext, run_stage, stage_module, stage_seconds
 
 app = typer.Typer(
     add_completion=False,
@@ -38,9 +38,10 @@ OVERRIDES_HELP = "Overrides of single fields, as key.sub=value (value parsed as 
 
 def _ctx(config: str, overrides: list[str] | None, force: bool, redo: frozenset[str] = frozenset()) -> RunContext:
     cfg = load_config(config, overrides)
-    ctx = RunContext(cfg=cfg, force=force, redo=redo, log=lambda m: console.print(m, markup=False, highlight=False))
-    init_run_dir(ctx, sys.argv)
-    return ctx
+    # the run folder is described (run.json, config.yaml, environment.json) when a stage starts: a refused command
+    # writes nothing
+    return RunContext(cfg=cfg, force=force, redo=redo, argv=list(sys.argv),
+                      log=lambda m: console.print(m, markup=False, highlight=False))
 
 
 def _fail(e: Exception) -> None:

@@ -66,6 +66,10 @@ class RunFolder:
     def fingerprint(self, stage: str) -> Path:
         return self.stage(stage) / "fingerprint.json"
 
+    def fingerprint_values(self, stage: str) -> Path:
+        """``RUN/<stage>/fingerprint_values.json``: the values the fingerprint hashes, so a change is named by field."""
+        return self.stage(stage) / "fingerprint_values.json"
+
     def done(self, stage: str) -> Path:
         return self.stage(stage) / "done.json"
 

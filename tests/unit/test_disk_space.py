@@ -94,6 +94,11 @@ def test_extract_refuses_to_start_when_the_store_does_not_fit(tmp_path, stories_
     (tmp_path / "run" / "tokenize" / "samples.jsonl").write_text(
         "".join(json.dumps(s.to_json()) + "\n" for s in samples))
     (tmp_path / "run" / "tokenize" / "meta.json").write_text(json.dumps({"tokenizer": {"name_or_path": "t"}}))
+    # ... and marked finished with this configuration, as tokenize would (extract checks its input first)
+    from tiny import mark_done
+
+    mark_done(ctx, "tokenize", {"samples": len(samples), "tokens": len(samples) * 65_536,
+                                "assistant_tokens": len(samples) * 65_536, "truncated": 0, "skipped": 0})
     with pytest.raises(StoreError, match=r"extract needs .* free\. Refused before writing anything.*"
                                          r"extract\.ignore_disk_space: true"):
         run_stage(ctx, "extract")

@@ -190,3 +190,31 @@ def test_turn_scheduler_runs_turns_in_order_and_finishes_conversations_first(sto
     order = [(cid, t) for cid, t, _ in prompts_seen]
     assert order.index(("c0", 2)) < order.index(("c6", 0))
     assert sched.finish["stop"] + sched.finish["length"] == 3 * 3 + 4
+
+
+def test_harmony_replies_are_stored_as_the_template_renders_them():
+    """gpt-oss emits its analysis and final channels as special-token text; the stored reply is the final answer
+    with the analysis as reasoning (issue 12: it was stored as 'analysisUser wants...assistantfinalBlue.')."""
+    from eyas.data.chat import split_harmony
+
+    raw = ("<|channel|>analysis<|message|>User wants a colour. Pick blue.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>Blue.")
+    assert split_harmony(raw) == ("Blue.", "User wants a colour. Pick blue.")
+    assert split_harmony("<|channel|>final<|message|>Blue.") == ("Blue.", None)
+    assert split_harmony("Blue.") is None
+    assert split_harmony("<|channel|>commentary to=functions.x<|message|>{}") is None      # tool calls: verbatim
+
+
+def test_a_reply_that_does_not_tokenize_back_is_reported(stories_dir):
+    from transformers import AutoTokenizer
+
+    from eyas.stages.tokenize import emitted_token_issues
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    good = tok("Once upon a time", add_special_tokens=False).input_ids
+    split = [t for ch in "time" for t in tok(ch, add_special_tokens=False).input_ids]   # not how "time" tokenizes
+    msgs = [Message("user", "hi"), Message("assistant", "Once upon a time", token_ids=good),
+            Message("user", "more"), Message("assistant", "time", token_ids=split)]
+    assert split != tok("time", add_special_tokens=False).input_ids
+    issues = emitted_token_issues(tok, msgs)
+    assert [i.message_index for i in issues] == [3] and issues[0].kind == "changed"

@@ -15,6 +15,7 @@ from eyas.generation.openai_chat import ServerError, reply_from_choice
 from eyas.io import iter_jsonl
 from eyas.records import SkipCounter
 from eyas.stages import RunContext, run_stage
+from tiny import mark_done
 
 
 def _completion(message: dict, finish_reason: str) -> ChatCompletion:
@@ -57,6 +58,7 @@ def test_unreachable_server_is_a_clear_error_and_keeps_finished_work(shared, tmp
     convs = [c.to_json() for c in load_source(src, SkipCounter(), {})]
     ctx.run.stage("prepare").mkdir(parents=True)
     (ctx.run.prepared).write_text("".join(json.dumps(c) + "\n" for c in convs))
+    mark_done(ctx, "prepare", {"samples": len(convs), "duplicates": 0, "skipped": 0, "tokens": 0})
     first = convs[0]
     out = ctx.run.generated
     out.parent.mkdir(parents=True)

@@ -71,6 +71,7 @@ __all__ = [
     "locate_assistant_spans",
     "render_conversation",
     "render_prompt",
+    "split_harmony",
 ]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -651,3 +652,25 @@ def render_prompt(
     msgs = _normalise(messages, template)
     return _render(tokenizer, msgs, add_generation_prompt=True, kwargs=dict(chat_template_kwargs or {}),
                    tools=tools, sample_id=sample_id)
+
+
+_HARMONY = re.compile(r"<\|channel\|>(\w+)<\|message\|>(.*?)(?:<\|end\|>(?:<\|start\|>assistant)?|$)", re.S)
+
+
+def split_harmony(text: str) -> tuple[str, str | None] | None:
+    """A gpt-oss (harmony) reply as the target emitted it, special tokens kept
+    (``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...``), as
+    ``(final content, analysis reasoning or None)``: the form its chat template renders a reply from (the reasoning
+    goes to ``thinking``/``reasoning_content``, kept for the last turn). ``None`` for text that is not one, or that
+    holds other channels (tool calls): those are kept verbatim, and the template check decides."""
+    if not text.startswith("<|channel|>"):
+        return None
+    parts = _HARMONY.findall(text)
+    if not parts or "".join(f"{c}{m}" for c, m in parts) == "" or any(c not in ("analysis", "final")
+                                                                       for c, _ in parts):
+        return None
+    final = [m for c, m in parts if c == "final"]
+    if len(final) != 1:
+        return None
+    analysis = "".join(m for c, m in parts if c == "analysis")
+    return final[0], (analysis or None)

@@ -10,7 +10,9 @@ Conversations with the most user turns start first, so the long multi-turn ones 
 
 A reply is kept exactly as the target produced it: its token ids (without the end-of-turn token) are stored with the
 message (``Message.token_ids``) and its text is their decoding with special tokens kept and no whitespace stripped,
-so nothing the target emits (harmony channels, reasoning markers) is dropped or changed.
+so nothing the target emits (harmony channels, reasoning markers) is dropped or changed; a gpt-oss (harmony) reply
+is stored as its final answer with its analysis as ``reasoning_content``, the form its template renders
+(:func:`eyas.data.chat.split_harmony`).
 
 Engines: :class:`eyas.generation.engine.SlotEngine` (continuous batching, CUDA graphs; Llama/Qwen layouts) or, for
 other models, :class:`GenerateEngine`, which calls ``model.generate`` on batches of ready prompts.
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data.chat import render_prompt
+from ..data.chat import render_prompt, split_harmony
 from ..records import Conversation, Message
 from .engine import EngineStats, GenRequest, GenResult
 
@@ -132,7 +134,12 @@ class TurnScheduler:
         """Store the reply; queue the conversation's next turn or hand the finished conversation on."""
         s: _Turns = res.key
         text = self.tok.decode(res.token_ids, skip_special_tokens=False)
-        s.replies.append(Message("assistant", text, token_ids=list(res.token_ids)))
+        harmony = split_harmony(text)             # gpt-oss: reasoning and final answer, as its template takes them
+        if harmony is not None:
+            s.replies.append(Message("assistant", harmony[0], reasoning_content=harmony[1],
+                                     token_ids=list(res.token_ids)))
+        else:
+            s.replies.append(Message("assistant", text, token_ids=list(res.token_ids)))
         self.finish[res.finish] += 1
         if len(s.replies) < s.n_users:
             self.follow_ups.append(s)

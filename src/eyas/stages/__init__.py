@@ -1,6 +1,7 @@
 """Stage wiring: each stage reads the run folder and the config fields it declares, and writes its own folder.
 
-Every stage module has ``run(ctx) -> summary`` and two declarations:
+Every stage module has ``run(ctx) -> summary``, optionally ``preflight(ctx)`` (checks of its inputs' content, run
+before anything is written) and ``required_inputs(cfg)``, and two declarations:
 - ``READS``: the config sections (``"train"``) and fields (``"tokenize.chat_template_kwargs"``) its code reads,
   directly or through the library functions it calls (``tests/e2e/test_fingerprints.py`` runs every stage with a
   config that records what is read and fails on anything undeclared);
@@ -8,11 +9,18 @@ Every stage module has ``run(ctx) -> summary`` and two declarations:
 A stage's fingerprint hashes every section and field of its :func:`dependencies`: its own ``READS`` and, through
 ``INPUTS``, those of every stage upstream, so a setting that changes an input changes every stage after it.
 
-A stage folder ``RUN/<stage>/`` holds ``fingerprint.json`` (written when the stage starts) and ``done.json`` (its
-typed summary, :mod:`eyas.summaries`, written atomically when it finishes). A finished stage with the same
-fingerprint is skipped; a folder made with another configuration is refused with the differing sections named,
-unless ``force`` is set, which clears that stage and every stage after it. Partial work inside a stage with a
-matching fingerprint (generated samples, stored hidden states, training checkpoints) is resumed.
+A stage folder ``RUN/<stage>/`` holds ``fingerprint.json`` and ``fingerprint_values.json`` (the hashes and the
+values they hash, written when the stage starts) and ``done.json`` (its typed summary, :mod:`eyas.summaries`,
+written atomically when it finishes). A finished stage with the same fingerprint is skipped; a folder made with
+another configuration is refused with the differing fields named, unless ``force`` is set, which clears that stage
+and every stage that depends on it (its ``INPUTS`` dependents, not every later stage: extract does not depend on
+vocab). Partial work inside a stage with a matching fingerprint (generated samples, stored hidden states, training
+checkpoints) is resumed.
+
+Before a stage starts, every input it needs (:func:`required_inputs`) must have finished with the configuration
+in force: a missing or stale input is refused, naming the input, the changed fields and the command that rebuilds
+it; ``force`` redoes only the stage asked for, never a stale input behind it. Nothing is written by a refused
+command: the run folder's ``run.json``, ``config.yaml`` and ``environment.json`` are written when a stage starts.
 
 Only the CLI (:mod:`eyas.cli`) imports this package; what stages share lives in library modules.
 """
@@ -115,7 +123,7 @@ class RunContext:
     ``force``: a stage whose folder was made with another configuration is cleared (with every later stage) and
     redone, instead of refused. ``redo``: stages that ``force`` redoes even when their configuration is unchanged
     (a single-stage command names its stage here). ``fingerprint``: set by :func:`run_stage` for the stage it runs
-    (training stores it in its checkpoints).
+    (training stores it in its checkpoints). ``argv``: the command line recorded in ``environment.json``.
     """
 
     cfg: RunConfig
@@ -123,6 +131,7 @@ class RunContext:
     log: Callable[[str], None] = print
     redo: frozenset[str] = frozenset()
     fingerprint: dict | None = None
+    argv: list[str] | None = None
 
     @property
     def run(self) -> RunFolder:
@@ -162,6 +171,58 @@ def init_run_dir(ctx: RunContext, argv: list[str] | None = None) -> None:
     )
 
 
+def fingerprint_values(cfg: RunConfig, stage: str) -> dict:
+    """``{section or field: value}``: what :func:`stage_fingerprint` hashes, kept beside it to name changes."""
+    return {d: _value(cfg, d) for d in dependencies(stage)}
+
+
+def _diff(old, new, path: str, out: list[str]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for k in sorted(set(old) | set(new)):
+            _diff(old.get(k), new.get(k), f"{path}.{k}", out)
+    elif old != new:
+        out.append(f"{path}: {old!r} -> {new!r}")
+
+
+def changed_fields(run: RunFolder, stage: str, fp: dict, cfg: RunConfig) -> list[str]:
+    """The configuration fields whose values differ between ``stage``'s folder and ``cfg`` (``section.field: old ->
+    new``); the changed sections' names when the folder predates ``fingerprint_values.json``."""
+    old_fp = read_json(run.fingerprint(stage)) if run.fingerprint(stage).exists() else {}
+    keys = sorted(k for k in set(old_fp) | set(fp) if old_fp.get(k) != fp.get(k))
+    vfile = run.fingerprint_values(stage)
+    if not vfile.exists():
+        return keys
+    old, new, out = read_json(vfile), fingerprint_values(cfg, stage), []
+    for k in keys:
+        _diff(old.get(k), new.get(k), k, out)
+    return out or keys
+
+
+def required_inputs(stage: str, cfg: RunConfig) -> tuple[str, ...]:
+    """The stages whose outputs ``stage`` reads with this configuration (a module's ``required_inputs(cfg)`` where
+    it depends on the configuration, e.g. online training reads no store; else its ``INPUTS``)."""
+    mod = stage_module(stage)
+    pick = getattr(mod, "required_inputs", None)
+    return tuple(pick(cfg)) if pick else tuple(mod.INPUTS)
+
+
+def check_inputs(ctx: RunContext, stage: str) -> None:
+    """Refuse to start ``stage`` unless every input it reads finished with the configuration in force: an input
+    that has not finished, or whose folder was made with other settings (fields named), is an
+    :class:`EyasError` naming the command that rebuilds it."""
+    run = ctx.run
+    for up in required_inputs(stage, ctx.cfg):
+        if not run.done(up).exists():
+            raise EyasError(f"{stage} needs '{up}', which has not finished in {run.root}: run `eyas {up} CONFIG` "
+                            f"first (or `eyas run CONFIG`)")
+        fp = stage_fingerprint(ctx.cfg, up)
+        if not run.fingerprint(up).exists() or read_json(run.fingerprint(up)) != fp:
+            changes = changed_fields(run, up, fp, ctx.cfg)
+            raise EyasError(f"{stage} reads {run.stage(up)}, which was made with another configuration "
+                            f"({'; '.join(changes) or 'no fingerprint'}): rebuild it first with "
+                            f"`eyas {up} CONFIG --force` (then every stage after it), or `eyas run CONFIG --force`")
+
+
 def _check_fingerprint(ctx: RunContext, stage: str, fp: dict) -> bool:
     """True when ``stage`` is already done with this configuration. Handles ``force`` and mismatches."""
     run = ctx.run
@@ -170,25 +231,29 @@ def _check_fingerprint(ctx: RunContext, stage: str, fp: dict) -> bool:
         old = read_json(fp_file)
         if old != fp:
             if not ctx.force:
-                changed = sorted(k for k in set(old) | set(fp) if old.get(k) != fp.get(k))
+                changes = changed_fields(run, stage, fp, ctx.cfg)
                 raise EyasError(
-                    f"{run.stage(stage)} was made with a different configuration (changed sections: "
-                    f"{', '.join(changed)}). Use another run_dir, or pass --force to redo '{stage}' and every stage "
-                    f"after it."
+                    f"{run.stage(stage)} was made with a different configuration ({'; '.join(changes)}). Use "
+                    f"another run_dir, or pass --force to redo '{stage}' and the stages that depend on it."
                 )
             clear_from(ctx, stage)
         elif ctx.force and stage in ctx.redo:
             clear_from(ctx, stage)
-    if run.done(stage).exists() and fp_file.exists():
-        return True
-    run.stage(stage).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(fp_file, fp)
-    return False
+    return run.done(stage).exists() and fp_file.exists()
+
+
+def dependents(stage: str) -> list[str]:
+    """``stage`` and every stage whose inputs lead back to it (in pipeline order)."""
+    out = [stage]
+    for s in STAGES[STAGES.index(stage) + 1:]:
+        if any(up in out for up in stage_module(s).INPUTS):
+            out.append(s)
+    return out
 
 
 def clear_from(ctx: RunContext, stage: str) -> None:
-    """Delete ``stage``'s folder and those of every later stage."""
-    for s in STAGES[STAGES.index(stage):]:
+    """Delete ``stage``'s folder and those of the stages that depend on it (:func:`dependents`)."""
+    for s in dependents(stage):
         d = ctx.run.stage(s)
         if d.exists():
             ctx.log(f"[eyas] --force: removing {d}")
@@ -201,12 +266,25 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
     Under torchrun every process runs the stage; process 0 writes ``done.json``."""
     module = stage_module(stage)
     fp = stage_fingerprint(ctx.cfg, stage)
-    if _check_fingerprint(ctx, stage, fp):
+    fp_file = ctx.run.fingerprint(stage)
+    if fp_file.exists() and read_json(fp_file) == fp and ctx.run.done(stage).exists() and not (
+            ctx.force and stage in ctx.redo):
         ctx.log(f"[eyas] {stage}: already done in {ctx.run.stage(stage)} (same configuration), skipped")
         return read_summary(ctx.run, stage)
-    ctx.log(f"[eyas] {stage}: starting")
+    # refusals first, so that a refused command writes (and deletes) nothing
+    check_inputs(ctx, stage)
     if stage in SERVABILITY_CHECKED:   # what no engine serves is refused before the stage does any work
         check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
+    if hasattr(module, "preflight"):   # the stage's own checks of its inputs' content (train: the store)
+        module.preflight(ctx)
+    if fp_file.exists() and read_json(fp_file) != fp and not ctx.force:
+        _check_fingerprint(ctx, stage, fp)        # raises, naming the changed fields
+    init_run_dir(ctx, ctx.argv)
+    _check_fingerprint(ctx, stage, fp)            # --force clears the stage and its dependents here
+    ctx.run.stage(stage).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(ctx.run.fingerprint_values(stage), fingerprint_values(ctx.cfg, stage))
+    write_json_atomic(fp_file, fp)
+    ctx.log(f"[eyas] {stage}: starting")
     t0 = time.time()
     summary = SUMMARIES[stage].model_validate(module.run(replace(ctx, fingerprint=fp)))
     seconds = time.time() - t0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from ..data.chat import ChatTemplateError, render_conversation
+from ..data.chat import ChatTemplateError, ReplyIssue, render_conversation
 from ..errors import DataError
 from ..io import JsonlAppender, sha256_bytes, write_json_atomic
 from ..records import SkipCounter, SkipRecord, TokenizedSample, read_conversations
@@ -34,6 +34,21 @@ def tokenizer_identity(tok) -> dict:
         "vocab_size": len(tok),
         "chat_template_sha256": sha256_bytes((template or "").encode()),
     }
+
+
+def emitted_token_issues(tok, messages) -> list[ReplyIssue]:
+    """Replies regenerated in-process keep the target's exact token ids (``Message.token_ids``): a reply whose text
+    does not tokenize back to them (a non-canonical split the target emitted, special-token text lost) would be
+    trained on tokens the target never produced, so it is reported (and the conversation skipped). Replies stored
+    as parts (harmony's reasoning and answer) are checked by the template check only."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or m.token_ids is None or m.reasoning_content:
+            continue
+        if tok(m.content, add_special_tokens=False).input_ids != list(m.token_ids):
+            out.append(ReplyIssue(i, "changed", "the reply's text does not tokenize back to the tokens the target "
+                                                "emitted"))
+    return out
 
 
 def run(ctx: RunContext) -> TokenizeSummary:
@@ -60,6 +75,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
                 skips.add(SkipRecord(c.source or c.id, f"chat template: {e}"))
                 continue
             changed = [i for i in r.reply_issues if i.kind == "changed"]
+            changed += emitted_token_issues(tok, c.messages)
             if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
                 skips.add(SkipRecord(c.source or c.id, f"reply changed by the chat template: {changed[0].reason}",
                                      f"messages[{changed[0].message_index}]"))

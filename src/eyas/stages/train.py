@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..data.vocab import load_vocab
 from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
-from ..errors import EyasError
+from ..errors import EyasError, StoreError
 from ..families import text_config
 from ..records import read_tokenized
 from ..store import HiddenStateStore
@@ -33,6 +33,29 @@ from . import RunContext
 # extract: online training captures with the extract stage's backend and dtypes; the store header names its layers
 READS = ("train", "target", "extract")
 INPUTS = ("tokenize", "vocab", "extract")
+
+
+def required_inputs(cfg) -> tuple[str, ...]:
+    """Online training reads no store: the extract stage is not needed then."""
+    return INPUTS if cfg.train.mode == "offline" else tuple(s for s in INPUTS if s != "extract")
+
+
+def preflight(ctx: RunContext) -> None:
+    """Before anything is written: offline, the store was made by this run with this configuration (its header
+    against the one this config expects: run id, target, tokenizer, layer ids, dtypes) and every shard is whole
+    (size and header against the manifest); sample bytes are re-hashed as they are read. Raises
+    :class:`StoreError`."""
+    if ctx.cfg.train.mode != "offline":
+        return
+    store = HiddenStateStore.open(ctx.run.store)
+    expected = expected_header(ctx.cfg.target, ctx.cfg.extract, ctx.run)
+    diff = [k for k, v in expected.identity().items() if store.header.identity().get(k) != v]
+    if diff:
+        detail = "; ".join(f"{k}: store {store.header.identity().get(k)!r}, this run {expected.identity()[k]!r}"
+                           for k in diff)
+        raise StoreError(f"{store.root} holds hidden states of another run or configuration ({detail}): refusing "
+                         f"to train on them. Rebuild it with `eyas extract CONFIG --force`")
+    store.check_structure()
 
 
 def run(ctx: RunContext) -> TrainSummary:

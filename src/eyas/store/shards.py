@@ -320,6 +320,15 @@ class HiddenStateStore:
         self.reload()
         return {"shards": len(listed), "samples": len(self._index), "orphans_removed": removed}
 
+    def check_structure(self) -> None:
+        """Every committed shard passes :meth:`check_shard_structure` (read-only: nothing is deleted or repaired).
+        Raises :class:`StoreError` naming the first bad shard and the repair command."""
+        for rec in self.manifest_records():
+            problem = self.check_shard_structure(rec)
+            if problem:
+                raise StoreError(f"{self.root / 'shards' / rec.shard} (manifest/{rec.manifest}): {problem}. Run "
+                                 f"`eyas doctor RUN --repair` to re-extract its samples.")
+
     def check_shard_structure(self, rec: ShardRecord) -> str | None:
         """A cheap, complete check of one shard's structure against its manifest record; ``None`` when it passes.
 
@@ -371,17 +380,28 @@ class HiddenStateStore:
             self._handles[shard] = f
         return f
 
-    def read_stored(self, sid: str) -> dict[str, torch.Tensor]:
+    def read_stored(self, sid: str, verify: bool = False) -> dict[str, torch.Tensor]:
         """The sample's tensors exactly as stored (fp8 aux not de-quantised), keyed ``input_ids``, ``aux``,
-        [``aux_scale``,] ``last``. Raises KeyError for an unknown id."""
-        shard, _ = self._index[sid]
-        f = self._handle(shard)
-        return {n.split(".")[-1]: f.get_tensor(n) for n in _stored_names(sid, self.header.fp8)}
+        [``aux_scale``,] ``last``. ``verify``: re-hash them against the manifest's checksum (a flipped byte, a
+        shard overwritten after commit). Raises KeyError for an unknown id; :class:`StoreError` naming the sample
+        and its shard when the bytes cannot be read or (``verify``) differ from what was committed."""
+        shard, entry = self._index[sid]
+        try:
+            f = self._handle(shard)
+            t = {n.split(".")[-1]: f.get_tensor(n) for n in _stored_names(sid, self.header.fp8)}
+        except Exception as e:  # truncated or damaged shard: safetensors' own errors, named here
+            raise StoreError(f"sample {sid}: unreadable in {self.root / 'shards' / shard} ({type(e).__name__}: "
+                             f"{e}); run `eyas doctor RUN --repair`") from None
+        if verify and sample_checksum(*t.values()) != entry.checksum:
+            raise StoreError(f"sample {sid}: its stored bytes in {self.root / 'shards' / shard} differ from the "
+                             f"checksum committed with them (changed after extraction); run `eyas doctor RUN "
+                             f"--repair` to re-extract it")
+        return t
 
-    def read(self, sid: str) -> SampleStates:
-        """Random access to one sample (memory-mapped); ``aux`` in the store dtype. Raises KeyError for an
-        unknown id."""
-        t = self.read_stored(sid)
+    def read(self, sid: str, verify: bool = False) -> SampleStates:
+        """Random access to one sample (memory-mapped); ``aux`` in the store dtype. ``verify``: see
+        :meth:`read_stored`. Raises KeyError for an unknown id, :class:`StoreError` for damaged bytes."""
+        t = self.read_stored(sid, verify)
         aux = dequantize_fp8(t["aux"], t["aux_scale"], DTYPES[self.header.dtype]) if self.header.fp8 else t["aux"]
         return SampleStates(sid, t["input_ids"], aux, t["last"])
 

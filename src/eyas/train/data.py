@@ -1,7 +1,8 @@
 """Training samples: tokenized ids and loss masks, joined offline with the stored hidden states; batching.
 
-Every sample's stored ``input_ids`` are checked against the tokenized dataset's before use: a state computed from
-other tokens (a stale or foreign store) stops the run with the sample id named.
+Every sample read from the store is re-hashed against the checksum committed with it, and its stored ``input_ids``
+are checked against the tokenized dataset's, before use: a changed byte, or a state computed from other tokens (a
+stale or foreign store), stops the run with the sample id named.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class SampleDataset:
         item = {"id": s.id, "input_ids": ids[:n], "loss_mask": torch.tensor(s.loss_mask[:n], dtype=torch.int64)}
         if self.store is None:
             return item
-        st = self.store.read(s.id)
+        st = self.store.read(s.id, verify=True)     # the committed checksum: a changed byte stops the run here
         if st.input_ids.shape != ids.shape or not torch.equal(st.input_ids.long(), ids):
             raise StoreError(f"sample {s.id}: stored input_ids differ from the tokenized dataset "
                              f"(stale or foreign hidden states); run `eyas doctor RUN --repair`")
