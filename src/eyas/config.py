@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .families import aux_layer_id_problems
@@ -57,11 +57,32 @@ class SourceConfig(Section):
     subset: str | None = Field(None, description="`datasets` sources only: the configuration (subset) name")
 
 
+class SelfPromptsConfig(Section):
+    """prepare.self_prompts: user turns the target writes itself (Magpie, arXiv 2406.08464), sampled from its own
+    chat template's text up to a user message (:mod:`eyas.generation.self_prompts`); generate then answers them."""
+
+    count: int = Field(ge=1, description="prompts to sample (repeats and cut-off ones are dropped and counted)")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=8, description="a prompt not ended by the end-of-turn token by then is dropped")
+    seed: int = 0
+    batch_size: int | None = Field(None, ge=1, description="engine slots (null: 1024 on a GPU, 16 on the CPU)")
+
+
 class PrepareConfig(Section):
     """prepare: load and normalise conversations."""
 
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[SourceConfig] = Field(default_factory=list, description="dataset files (at least one source, or "
+                                                                         "self_prompts)")
     max_samples: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
+    self_prompts: SelfPromptsConfig | None = Field(
+        None, description="also prompts the target writes itself (needs the target's weights; a GPU for many)")
+
+    @model_validator(mode="after")
+    def _something_to_read(self) -> "PrepareConfig":
+        if not self.sources and self.self_prompts is None:
+            raise ValueError("give at least one source (prepare.sources) or prepare.self_prompts")
+        return self
 
 
 class OpenAIServerConfig(Section):

@@ -29,11 +29,42 @@ from ..summaries import PrepareSummary
 from ..targets.load import load_tokenizer
 from . import RunContext
 
-READS = ("prepare", "target")  # target: its tokenizer counts the report's tokens
+# target: its tokenizer counts the report's tokens (and it writes the self-prompts, rendered with the template's
+# arguments, as generate and tokenize render)
+READS = ("prepare", "target", "tokenize.chat_template_kwargs")
 INPUTS = ()
 
 DUPLICATE = "duplicate conversation (same sample id)"
+SELF = "self-prompts (written by the target)"
 OVER_MAX = "over prepare.max_samples"
+
+
+def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
+    """``prepare.self_prompts``: user turns the target samples from its own template (Magpie), as one-turn
+    conversations (source ``self-prompts:i``); the rows ``stats`` counts are the prompts asked for."""
+    from ..config import GenerateConfig
+    from ..generation.inprocess import make_engine
+    from ..generation.self_prompts import sample_self_prompts
+    from ..records import Message
+    from ..targets.load import load_target
+
+    sp = ctx.cfg.prepare.self_prompts
+    target = load_target(ctx.cfg.target)
+    gen = GenerateConfig(max_new_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                         batch_size=sp.batch_size)
+    engine = make_engine(target.model, target.tokenizer, gen, prompt_limit=512, log=ctx.log)
+    prompts, st = sample_self_prompts(engine, target.tokenizer, sp.count, max_tokens=sp.max_tokens,
+                                      chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+    dropped = {f"not ended within prepare.self_prompts.max_tokens ({sp.max_tokens})": st.cut,
+               "empty or shorter than 8 characters": st.empty, "repeats an earlier self-prompt": st.repeated}
+    for reason, n in dropped.items():
+        for _ in range(n):
+            skips.add(SkipRecord("self-prompts", reason))
+    stats.update(rows_read=st.asked, rows_kept=st.kept, rows_skipped=st.asked - st.kept,
+                 skipped_by_reason={r: n for r, n in dropped.items() if n})
+    for i, text in enumerate(prompts, 1):
+        msgs = [Message("user", text)]
+        yield Conversation(id=Conversation.make_id(msgs), messages=msgs, source=f"self-prompts:{i}")
 
 
 def run(ctx: RunContext) -> PrepareSummary:
@@ -47,12 +78,15 @@ def run(ctx: RunContext) -> PrepareSummary:
     per_source = []
     lengths: dict[str, list[int]] = {}
     kept = duplicates = 0
+    readers = [(src.path, src.format, lambda sk, st, src=src: load_source(src, sk, st)) for src in cfg.sources]
+    if cfg.self_prompts is not None:
+        readers.append((SELF, "self", lambda sk, st: _self_prompts(ctx, sk, st)))
     with JsonlAppender(out, fsync_every=1 << 30) as w:
-        for src in cfg.sources:
+        for path, fmt, read in readers:
             stats: dict = {}
             src_skips = SkipCounter()
             written: list[Conversation] = []
-            for conv in load_source(src, src_skips, stats):
+            for conv in read(src_skips, stats):
                 reason = DUPLICATE if conv.id in seen else (
                     OVER_MAX if cfg.max_samples is not None and kept >= cfg.max_samples else None)
                 if reason is not None:
@@ -69,17 +103,17 @@ def run(ctx: RunContext) -> PrepareSummary:
             for c in written:
                 for m in c.messages:
                     by_role[m.role] = by_role.get(m.role, 0) + 1
-            lengths[src.path] = _token_lengths(tok, written)
+            lengths[path] = _token_lengths(tok, written)
             per_source.append({
-                "path": src.path, "format": src.format,
+                "path": path, "format": fmt,
                 "rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
                 "rows_skipped": stats["rows_skipped"], "skipped_by_reason": stats["skipped_by_reason"],
                 "turns": sum(by_role.values()), "turns_by_role": by_role,
                 "turn_changes": {r: n for r, n in sorted(src_skips.counts.items()) if r not in row_reasons},
-                "token_lengths": _summary(lengths[src.path]),
+                "token_lengths": _summary(lengths[path]),
             })
             ctx.log(
-                f"[eyas] prepare: {src.path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
+                f"[eyas] prepare: {path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
                 f"{stats['rows_skipped']} skipped"
             )
     totals = {k: sum(s[k] for s in per_source) for k in ("rows_read", "rows_kept", "rows_skipped", "turns")}
