@@ -176,10 +176,12 @@ def run(
     overrides: Optional[list[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     force: bool = typer.Option(False, "--force", help="Redo stages whose configuration changed (clears them)."),
 ) -> None:
-    """Run every stage in order (finished stages are skipped) and print a summary table."""
+    """Run every stage in order (finished stages are skipped) and print a summary table. With train.mode online
+    the extract stage is not run: the target makes the states inside training and nothing is stored."""
     try:
         ctx = _ctx(config, overrides, force)
-        summaries = {s: run_stage(ctx, s) for s in STAGES}
+        stages = [s for s in STAGES if not (s == "extract" and ctx.cfg.train.mode == "online")]
+        summaries = {s: run_stage(ctx, s) for s in stages}
         print_summary(ctx, summaries)
     except EyasError as e:
         _fail(e)
@@ -309,21 +311,28 @@ def print_summary(ctx: RunContext, s: dict) -> None:
         v = stage_seconds(ctx, stage)
         return f"{v:.0f} s" if v is not None else ""
 
-    tok, tr, ev, ex, exp = s["tokenize"], s["train"], s["evaluate"], s["extract"], s["export"]
+    tok, tr, ev, ex, exp = s["tokenize"], s["train"], s["evaluate"], s.get("extract"), s["export"]
     nan = float("nan")
     t.add_row("samples (prepared / tokenized)", f"{s['prepare'].samples} / {tok.samples}", secs("prepare"))
     t.add_row("generated replies", f"{s['generate'].samples} conversations", secs("generate"))
     t.add_row("tokens (all / assistant)", f"{tok.tokens} / {tok.assistant_tokens}", secs("tokenize"))
     t.add_row("draft vocabulary", f"{s['vocab'].draft_vocab_size} ids, covers "
               f"{100 * s['vocab'].assistant_token_coverage:.1f}% of assistant tokens", secs("vocab"))
-    t.add_row("hidden states", f"{ex.tokens} tokens, layers {ex.layer_ids} ({ex.layer_convention}), "
-              f"{ex.bytes_per_token:.0f} bytes/token", secs("extract"))
+    if ex is not None:
+        t.add_row("hidden states", f"{ex.tokens} tokens, layers {ex.layer_ids} ({ex.layer_convention}), "
+                  f"{ex.bytes_per_token:.0f} bytes/token", secs("extract"))
+    else:
+        t.add_row("hidden states", "none stored (train.mode online: the target ran inside training)", "")
     t.add_row("training loss (first -> last)", f"{tr.first_loss if tr.first_loss is not None else nan:.3f} -> "
               f"{tr.loss if tr.loss is not None else nan:.3f} ({tr.steps} steps)", secs("train"))
     t.add_row("TTT accuracy per step", " ".join(f"{a:.2f}" for a in tr.acc), "")
     t.add_row("acceptance length", f"{ev.acceptance_length:.3f} (chain, k={ev.num_draft_tokens}, "
               f"{ev.prompts} held-out prompts, greedy)", secs("evaluate"))
     t.add_row("acceptance rate per position", " ".join(f"{a:.2f}" for a in ev.acceptance_rate_per_position), "")
+    if ev.ngram_tokens_per_target_step is not None:
+        t.add_row("tokens per target step: drafter vs n-gram lookup",
+                  f"{ev.tokens_per_target_step:.3f} vs {ev.ngram_tokens_per_target_step:.3f} (prompt lookup of "
+                  f"{ev.num_draft_tokens} tokens, no training, same prompts: the bar training must beat)", "")
     lossless = ("not checked" if not ev.lossless_checked else
                 "PASS (token-for-token equal to the target's greedy output)" if ev.lossless_mismatches == 0
                 else f"FAIL ({ev.lossless_mismatches} prompts differ)")

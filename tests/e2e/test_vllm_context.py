@@ -10,7 +10,7 @@ import json
 
 import pytest
 import yaml
-from conftest import tiny_llama
+from tiny import tiny_target
 
 pytest.importorskip("vllm")
 
@@ -23,7 +23,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, shared, stories_dir):
     tmp = tmp_path_factory.mktemp("ctx512")
-    target = tiny_llama(tmp / "target", hidden=64, layers=6, heads=2, kv_heads=2, tokenizer_from=stories_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    target = tmp / "target"
+    tiny_target(hidden=64, intermediate=191, layers=6, heads=2, kv_heads=2, head_dim=32, vocab=len(tok),
+                max_positions=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(target)
+    tok.save_pretrained(target)
     assert json.loads((target / "config.json").read_text())["max_position_embeddings"] == 512
     cfg = {
         "run_dir": str(tmp / "run"),
