@@ -17,7 +17,7 @@ from rich.table import Table
 from .config import load_config
 from .errors import EyasError
 from .run_folder import STAGES
-from .stages import RunContext, run_stage, stage_module, stage_seconds
+from .stages import RunContext, run_stage, run_stages, stage_module, stage_seconds
 
 app = typer.Typer(
     add_completion=False,
@@ -181,7 +181,7 @@ def run(
     try:
         ctx = _ctx(config, overrides, force)
         stages = [s for s in STAGES if not (s == "extract" and ctx.cfg.train.mode == "online")]
-        summaries = {s: run_stage(ctx, s) for s in stages}
+        summaries = run_stages(ctx, stages)
         print_summary(ctx, summaries)
     except EyasError as e:
         _fail(e)

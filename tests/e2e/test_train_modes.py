@@ -114,3 +114,26 @@ def test_train_stage_under_two_processes(tmp_path, shared):
     assert set(w1) == set(w2)
     for k in w1:
         assert (w1[k].float() - w2[k].float()).abs().max() < 1e-4, k
+
+
+def test_eyas_run_online_skips_extract(tmp_path, shared):
+    """``eyas run`` under ``train.mode: online`` never runs the extract stage (nothing stored) and its summary says
+    so, with the drafter's tokens per target step beside n-gram lookup's."""
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    p = _config(tmp_path, shared, "run", mode="online", epochs=1)
+    # no evaluation prompts: refused before the first stage, not after training
+    res = CliRunner().invoke(app, ["run", str(p)])
+    assert res.exit_code == 2 and "evaluate.prompts and evaluate.benchmarks are empty" in res.output
+    assert not (tmp_path / "run").exists()
+    held_out = str(shared / "data" / "eval" / "mt_bench.jsonl")
+    res = CliRunner().invoke(app, ["run", str(p), f"evaluate.prompts=[{{path: {held_out}, format: mt_bench}}]",
+                                   "evaluate.max_prompts=2", "evaluate.max_new_tokens=16", "export.formats=[sglang]"],
+                             env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    assert not (run / "extract").exists() and (run / "export" / "sglang" / "config.json").exists()
+    assert "none stored (train.mode online" in res.output
+    assert "drafter vs n-gram lookup" in res.output

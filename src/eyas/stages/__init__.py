@@ -1,7 +1,8 @@
 """Stage wiring: each stage reads the run folder and the config fields it declares, and writes its own folder.
 
 Every stage module has ``run(ctx) -> summary``, optionally ``preflight(ctx)`` (checks of its inputs' content, run
-before anything is written) and ``required_inputs(cfg)``, and two declarations:
+before anything is written), ``check_config(ctx)`` (checks :func:`run_stages` makes before the first stage of a
+whole run, e.g. that evaluate's prompt files exist) and ``required_inputs(cfg)``, and two declarations:
 - ``READS``: the config sections (``"train"``) and fields (``"tokenize.chat_template_kwargs"``) its code reads,
   directly or through the library functions it calls (``tests/e2e/test_fingerprints.py`` runs every stage with a
   config that records what is read and fails on anything undeclared);
@@ -292,6 +293,19 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
         write_json_atomic(ctx.run.done(stage), {"summary": summary.to_json(), "seconds": round(seconds, 2)})
     ctx.log(f"[eyas] {stage}: done in {seconds:.1f} s")
     return summary
+
+
+def run_stages(ctx: RunContext, stages: list[str]) -> dict[str, Summary]:
+    """Run ``stages`` in order (``eyas run``), after every one of them has checked its configuration
+    (``check_config``), so what would fail at the last stage fails before the first."""
+    for stage in stages:
+        module = stage_module(stage)
+        if hasattr(module, "check_config") and not (ctx.run.done(stage).exists() and
+                                                     ctx.run.fingerprint(stage).exists() and
+                                                     read_json(ctx.run.fingerprint(stage))
+                                                     == stage_fingerprint(ctx.cfg, stage)):
+            module.check_config(ctx)
+    return {s: run_stage(ctx, s) for s in stages}
 
 
 def stage_seconds(ctx: RunContext, stage: str) -> float | None:

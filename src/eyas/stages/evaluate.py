@@ -53,6 +53,12 @@ def load_sets(ctx: RunContext) -> dict[str, list[tuple[str, list[str]]]]:
     return sets
 
 
+def check_config(ctx: RunContext) -> None:
+    """Run before ``eyas run``'s first stage: the prompt sets exist and are not empty (raises
+    :class:`~eyas.errors.ConfigError`, or the reader's error naming the file), so a long run does not end there."""
+    load_sets(ctx)
+
+
 def spec_config(ctx: RunContext) -> SpecConfig:
     cfg = ctx.cfg.evaluate
     return SpecConfig(depth=cfg.num_draft_tokens, topk=cfg.topk, total_tokens=cfg.total_tokens,
@@ -167,7 +173,8 @@ def _evaluate_reference(ctx: RunContext, sets: dict, folder) -> dict:
                          draft_seconds_per_round=round(t_draft / max(rounds, 1), 6),
                          verify_seconds_per_round=round(t_target / max(rounds, 1), 6), per_prompt=per_prompt)
         if ng_rounds:
-            s["ngram"] = _set_summary(ng_rounds, ng_accepted, ng_pos, method="prompt lookup, n 2..4")
+            s["ngram"] = _set_summary(ng_rounds, ng_accepted, ng_pos, prompts=len(convs), turns=len(per_prompt),
+                                      lossless_mismatches=None, method="prompt lookup, n 2..4")
         if steps:
             s["target_step_seconds"] = round(sum(steps) / len(steps), 6)
             s["speedup_estimate"] = round(estimated_speedup(s["acceptance_length"], s["draft_seconds_per_round"],
@@ -208,7 +215,8 @@ def _evaluate_vllm(ctx: RunContext, sets: dict, folder) -> dict:
     for n, r in res.items():
         out[n] = summary(r, n, lossless_mismatches=None)
         if n in base:
-            out[n]["ngram"] = summary(base[n], n, method="vLLM ngram, prompt_lookup_min 2, max 4")
+            out[n]["ngram"] = summary(base[n], n, lossless_mismatches=None,
+                                      method="vLLM ngram, prompt_lookup_min 2, max 4")
             if cfg.temperature == 0:
                 out[n]["same_output_as_ngram"] = base[n]["outputs"] == r["outputs"]
     return out
