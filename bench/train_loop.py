@@ -3,11 +3,11 @@ store on disk, and ``bench/train_step.py``'s step alone on the same draft shape,
 process (so one device call measures both).
 
     python bench/train_loop.py --shapes smollm2 llama31_8b --store-dir /root/bench-store --out train_loop.json
-    python bench/train_loop.py --tiny --device cpu                  # a check of the script itself
+    python bench/train_loop.py --tiny --device cpu --attention sdpa   # a check of the script itself
 
 In-loop: the store is written with Eyas's own :class:`~eyas.store.shards.ShardWriter` (random bf16 states, random
 token ids, fixed-length samples so both sides see the same [B, T] batches), read back through
-:class:`~eyas.train.data.StoreDataset` by the loop's DataLoader workers, with everything the loop does per step
+:class:`~eyas.train.data.SampleDataset` by the loop's DataLoader workers, with everything the loop does per step
 (batches made and copied ahead, soft labels, TTT forward and fused loss, backward, clipping, AdamW, metrics with
 one host transfer, ``metrics.jsonl``). The figure is the median of the loop's own per-step rate
 (``recent_tokens_per_s``: real tokens of the step over the wall time since the previous step) after the warm-up
@@ -37,7 +37,7 @@ from eyas.config import TrainConfig  # noqa: E402
 from eyas.model.eagle3 import Eagle3Config  # noqa: E402
 from eyas.records import TokenizedSample  # noqa: E402
 from eyas.store import HiddenStateStore, StoreHeader  # noqa: E402
-from eyas.train.data import StoreDataset  # noqa: E402
+from eyas.train.data import SampleDataset  # noqa: E402
 from eyas.train.loop import train  # noqa: E402
 
 # name -> (draft shape, sample length T, samples per step B)
@@ -86,7 +86,7 @@ def in_loop(cfg: Eagle3Config, T: int, B: int, device: torch.device, attention: 
                      loader_workers=workers, max_length=T)
     out = store_dir / "run"
     t0 = time.time()
-    res = train(model, StoreDataset(samples, HiddenStateStore.open(store_dir / "store"), T), head, tc, out, device,
+    res = train(model, SampleDataset(samples, T, HiddenStateStore.open(store_dir / "store")), head, tc, out, device,
                 {}, log=lambda m: None)
     wall = time.time() - t0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
