@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,52 +51,27 @@ def _stages(cfg: Path, stages: list[str]) -> None:
         run_stage(ctx, s)
 
 
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "two_gpu.py"
+
+
+def _torchrun_cmd(stage: str, cfg: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(random.randint(20000, 40000)), "-m", "eyas.cli", stage, str(cfg)]
+
+
 def _torchrun(stage: str, cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(random.randint(20000, 40000)), "-m", "eyas.cli", stage, str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    return subprocess.Popen(_torchrun_cmd(stage, cfg), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=ENV)
 
 
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(p.name))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    """The pid of torchrun's worker with ``RANK=rank`` (from its environment)."""
-    for pid in _descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
-            return pid
-    return None
-
-
-def _kill_rank_when(proc: subprocess.Popen, rank: int, ready, what: str) -> str:
-    """SIGKILL worker ``rank`` once ``ready()`` holds; return torchrun's output (it must fail)."""
-    deadline = time.time() + 600
-    while proc.poll() is None and time.time() < deadline and not ready():
-        time.sleep(0.01)
-    pid = _rank_pid(proc.pid, rank)
-    assert proc.poll() is None and pid is not None, f"the run ended before {what}:\n{proc.communicate()[0][-3000:]}"
-    os.kill(pid, signal.SIGKILL)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode != 0, f"torchrun did not fail after rank {rank} was killed:\n{out[-3000:]}"
-    return out
+def _kill_rank_when(stage: str, cfg: Path, when: Path, tmp_path: Path) -> None:
+    """``bench/two_gpu.py kill`` (the tool the two-GPU benchmark uses): torchrun ``stage``, ``kill -9`` rank 1
+    once ``when`` exists; torchrun must fail."""
+    log = tmp_path / f"{stage}_killed.log"
+    proc = subprocess.run([sys.executable, str(BENCH), "kill", "--when", str(when), "--rank", "1", "--log", str(log),
+                           "--", *_torchrun_cmd(stage, cfg)], capture_output=True, text=True, env=ENV, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (log.read_text()[-3000:] if log.exists() else "")
+    assert "killed once" in proc.stdout
 
 
 def _finish(stage: str, cfg: Path) -> str:
@@ -124,10 +97,8 @@ def test_extraction_kill_one_rank_then_resume(tmp_path, shared, stories_dir):
 
     killed = _config(tmp_path, "killed", shared, stories_dir)
     _stages(killed, ["prepare", "generate", "tokenize", "vocab"])
-    manifest = tmp_path / "killed" / "extract" / "store" / "manifest" / "rank-001.jsonl"
-    proc = _torchrun("extract", killed)
-    _kill_rank_when(proc, 1, lambda: manifest.exists() and manifest.read_bytes().count(b"\n") >= 1,
-                    "rank 1 committed a shard")
+    manifest = tmp_path / "killed" / "extract" / "store" / "manifest" / "rank-001.jsonl"   # rank 1's first shard
+    _kill_rank_when("extract", killed, manifest, tmp_path)
     assert not (tmp_path / "killed" / "extract" / "done.json").exists()
     partial = len(HiddenStateStore.open(tmp_path / "killed" / "extract" / "store"))
     assert 0 < partial < len(ref_sums)
@@ -144,8 +115,7 @@ def test_training_kill_one_rank_then_resume(tmp_path, shared, stories_dir):
     killed = _config(tmp_path, "killed", shared, stories_dir)
     _stages(killed, stages)
     ckpts = tmp_path / "killed" / "train" / "checkpoints"
-    proc = _torchrun("train", killed)
-    _kill_rank_when(proc, 1, lambda: (ckpts / "step-00000004" / "state.json").exists(), "the step-4 checkpoint")
+    _kill_rank_when("train", killed, ckpts / "step-00000004" / "state.json", tmp_path)
     assert not (tmp_path / "killed" / "train" / "done.json").exists()
     out = _finish("train", killed)
     assert "resum" in out.lower(), out[-3000:]
