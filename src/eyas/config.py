@@ -67,6 +67,9 @@ class SelfPromptsConfig(Section):
     max_tokens: int = Field(256, ge=8, description="a prompt not ended by the end-of-turn token by then is dropped")
     seed: int = 0
     batch_size: int | None = Field(None, ge=1, description="engine slots (null: 1024 on a GPU, 16 on the CPU)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="arguments to the chat template when it renders the text before a user "
+                                          "turn (usually none: they change the assistant side)")
 
 
 class PrepareConfig(Section):

@@ -137,7 +137,7 @@ def test_generate_is_redone_when_the_chat_template_arguments_change(tmp_path, sh
     run_stage(ctx, "generate")
     changed = replace(ctx, cfg=ctx.cfg.model_copy(update={"tokenize": ctx.cfg.tokenize.model_copy(
         update={"chat_template_kwargs": {"enable_thinking": False}})}))
-    with pytest.raises(EyasError, match="changed sections: tokenize.chat_template_kwargs"):
+    with pytest.raises(EyasError, match=r"tokenize.chat_template_kwargs.enable_thinking: None -> False"):
         run_stage(changed, "generate")
     logs.clear()
     run_stage(replace(changed, force=True), "generate")

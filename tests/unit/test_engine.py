@@ -179,7 +179,7 @@ def test_turn_scheduler_runs_turns_in_order_and_finishes_conversations_first(sto
         assert all(m.content != "old" for m in got.messages)
         for m in got.messages:
             if m.role == "assistant":
-                assert m.token_ids is not None and tok.decode(m.token_ids, skip_special_tokens=False) == m.content
+                assert m.token_ids is not None and tok.decode(m.token_ids, skip_special_tokens=False).lstrip() == m.content.lstrip()   # noqa: E501 (decoded in context: a leading space kept)
     # the second turn's prompt is the template's render of turn 1 with its regenerated reply
     c0 = by_id["c0"]
     want = render_prompt(tok, [m.to_dict() for m in c0.messages[:3]])
@@ -206,15 +206,36 @@ def test_harmony_replies_are_stored_as_the_template_renders_them():
 
 
 def test_a_reply_that_does_not_tokenize_back_is_reported(stories_dir):
+    """Compared in context, as training sees the reply: a SentencePiece tokenizer marks a word start ('▁"') on
+    a text tokenized alone, not on the same reply inside the rendering, so only a real non-canonical split counts."""
     from transformers import AutoTokenizer
 
+    from eyas.data.chat import render_conversation
     from eyas.stages.tokenize import emitted_token_issues
 
     tok = AutoTokenizer.from_pretrained(stories_dir)
-    good = tok("Once upon a time", add_special_tokens=False).input_ids
+    msgs = [Message("user", "hi"), Message("assistant", '"\nOnce upon a time'), Message("user", "more"),
+            Message("assistant", "time")]
+    r = render_conversation(tok, [m.to_json() for m in msgs])
+    first = next(r.input_ids[a:b] for i, a, b in r.reply_tokens if i == 1)   # in context: what the target emits
+    assert first != tok(msgs[1].content, add_special_tokens=False).input_ids   # alone: a word-start mark added
     split = [t for ch in "time" for t in tok(ch, add_special_tokens=False).input_ids]   # not how "time" tokenizes
-    msgs = [Message("user", "hi"), Message("assistant", "Once upon a time", token_ids=good),
-            Message("user", "more"), Message("assistant", "time", token_ids=split)]
-    assert split != tok("time", add_special_tokens=False).input_ids
-    issues = emitted_token_issues(tok, msgs)
+    assert split != next(r.input_ids[a:b] for i, a, b in r.reply_tokens if i == 3)
+    msgs[1] = Message("assistant", msgs[1].content, token_ids=first)
+    msgs[3] = Message("assistant", "time", token_ids=split)
+    issues = emitted_token_issues(msgs, r)
     assert [i.message_index for i in issues] == [3] and issues[0].kind == "changed"
+
+def test_replies_are_decoded_in_context(stories_dir):
+    """A SentencePiece reply that starts with a space token keeps the space (decoded after the prompt's last ids,
+    as servers detokenize), so its text tokenizes back, in the rendered conversation, to the ids emitted."""
+    from transformers import AutoTokenizer
+
+    from eyas.generation.inprocess import decode_in_context
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)
+    prompt = tok("Tom said hi.", add_special_tokens=False).input_ids
+    reply = tok.convert_tokens_to_ids(["\u2581", "J", "am", "es"])
+    assert tok.decode(reply, skip_special_tokens=False) == "James"            # alone: the space is lost
+    assert decode_in_context(tok, prompt[-8:], reply) == " James"
+    assert decode_in_context(tok, [], reply) == "James"                       # no prompt: as decoded alone

@@ -113,6 +113,9 @@ class RenderedConversation:
         assistant_spans: character ``[start, end)`` spans of trained text in ``text``, one per assistant turn.
         reply_issues: replies whose trained tokens are not their own text's tokens; empty when every reply
             survives the template.
+        reply_tokens: ``(message index, t0, t1)`` per reply rendered verbatim: ``input_ids[t0:t1]`` are the tokens
+            of its answer text inside the rendering, the tokens training sees for it (compared by ``tokenize``
+            with the ids the target emitted).
     """
 
     text: str
@@ -120,6 +123,7 @@ class RenderedConversation:
     loss_mask: list[int]
     assistant_spans: list[tuple[int, int]]
     reply_issues: tuple[ReplyIssue, ...] = ()
+    reply_tokens: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -570,7 +574,21 @@ def render_conversation(
             raise ChatTemplateError(f"{_where(sample_id, sp.message_index)}: assistant span has no tokens")
     issues = tuple(_reply_issues(text, offsets, spans, msgs, _eot_tokens(tokenizer)))
     return RenderedConversation(text=text, input_ids=ids, loss_mask=mask, assistant_spans=char_spans,
-                                reply_issues=issues)
+                                reply_issues=issues, reply_tokens=tuple(_reply_tokens(text, offsets, spans, msgs)))
+
+
+def _reply_tokens(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict]):
+    """``(message index, t0, t1)``: the tokens lying inside each reply's answer text where the template renders
+    it verbatim (the reply check makes sure no token crosses its ends)."""
+    for sp in spans:
+        content = (msgs[sp.message_index].get("content") or "") if sp.message_index >= 0 else ""
+        at = text[sp.start:sp.end].rfind(content) if content else -1
+        if at < 0:
+            continue
+        s, e = sp.start + at, sp.start + at + len(content)
+        inside = [t for t, (a, b) in enumerate(offsets) if b > a and a >= s and b <= e]
+        if inside:
+            yield sp.message_index, inside[0], inside[-1] + 1
 
 
 def _reply_issues(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict], eots: Sequence[str]):

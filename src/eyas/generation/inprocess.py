@@ -31,6 +31,21 @@ from ..records import Conversation, Message
 from .engine import EngineStats, GenRequest, GenResult
 
 
+CONTEXT_TOKENS = 8
+
+
+def decode_in_context(tok, prompt_tail: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of ``ids`` as they continue ``prompt_tail`` (special tokens kept): ``decode(tail + ids)`` less
+    ``decode(tail)``, as servers detokenize incrementally. Decoding ``ids`` alone drops what a SentencePiece
+    tokenizer reads as a word-start mark (a reply's leading space, '▁'), and that text would no longer tokenize
+    back to the ids the target emitted. Falls back to ``decode(ids)`` when the prompt's text is not a prefix."""
+    head = tok.decode(list(prompt_tail), skip_special_tokens=False)
+    full = tok.decode(list(prompt_tail) + list(ids), skip_special_tokens=False)
+    if prompt_tail and full.startswith(head):
+        return full[len(head):]
+    return tok.decode(list(ids), skip_special_tokens=False)
+
+
 @dataclass
 class _Turns:
     """A conversation being regenerated: its skeleton (no assistant turns) and the replies so far."""
@@ -39,6 +54,7 @@ class _Turns:
     skeleton: list[Message]
     n_users: int
     replies: list[Message] = field(default_factory=list)
+    prompt_tail: list[int] = field(default_factory=list)   # the last ids of the turn being generated's prompt
 
     def prompt_messages(self) -> list[dict]:
         """The messages of the next turn's prompt: the skeleton up to user turn ``len(replies)``, each earlier user
@@ -127,13 +143,14 @@ class TurnScheduler:
                     self._done(s)
                     continue
                 self.prompt_tokens += len(ids)
+                s.prompt_tail = list(ids[-CONTEXT_TOKENS:])
                 out.append(GenRequest(s, ids, self.max_new))
         return out
 
     def on_result(self, res: GenResult) -> None:
         """Store the reply; queue the conversation's next turn or hand the finished conversation on."""
         s: _Turns = res.key
-        text = self.tok.decode(res.token_ids, skip_special_tokens=False)
+        text = decode_in_context(self.tok, s.prompt_tail, res.token_ids)
         harmony = split_harmony(text)             # gpt-oss: reasoning and final answer, as its template takes them
         if harmony is not None:
             s.replies.append(Message("assistant", harmony[0], reasoning_content=harmony[1],

@@ -29,9 +29,7 @@ from ..summaries import PrepareSummary
 from ..targets.load import load_tokenizer
 from . import RunContext
 
-# target: its tokenizer counts the report's tokens (and it writes the self-prompts, rendered with the template's
-# arguments, as generate and tokenize render)
-READS = ("prepare", "target", "tokenize.chat_template_kwargs")
+READS = ("prepare", "target")  # target: its tokenizer counts the report's tokens (and it writes the self-prompts)
 INPUTS = ()
 
 DUPLICATE = "duplicate conversation (same sample id)"
@@ -54,7 +52,7 @@ def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
                          batch_size=sp.batch_size)
     engine = make_engine(target.model, target.tokenizer, gen, prompt_limit=512, log=ctx.log)
     prompts, st = sample_self_prompts(engine, target.tokenizer, sp.count, max_tokens=sp.max_tokens,
-                                      chat_template_kwargs=ctx.cfg.tokenize.chat_template_kwargs)
+                                      chat_template_kwargs=sp.chat_template_kwargs or None)
     dropped = {f"not ended within prepare.self_prompts.max_tokens ({sp.max_tokens})": st.cut,
                "empty or shorter than 8 characters": st.empty, "repeats an earlier self-prompt": st.repeated}
     for reason, n in dropped.items():

@@ -36,16 +36,20 @@ def tokenizer_identity(tok) -> dict:
     }
 
 
-def emitted_token_issues(tok, messages) -> list[ReplyIssue]:
-    """Replies regenerated in-process keep the target's exact token ids (``Message.token_ids``): a reply whose text
-    does not tokenize back to them (a non-canonical split the target emitted, special-token text lost) would be
-    trained on tokens the target never produced, so it is reported (and the conversation skipped). Replies stored
-    as parts (harmony's reasoning and answer) are checked by the template check only."""
+def emitted_token_issues(messages, rendered) -> list[ReplyIssue]:
+    """Replies regenerated in-process keep the target's exact token ids (``Message.token_ids``): a reply whose
+    tokens inside the rendered conversation (``rendered.reply_tokens``, what training sees) are not those ids (a
+    non-canonical split the target emitted, special-token text lost) would be trained on tokens the target never
+    produced, so it is reported (and the conversation skipped). The comparison is in context, as served: a
+    SentencePiece tokenizer adds a word-start mark to a text tokenized on its own, not to a reply inside the render.
+    Replies stored as parts (harmony's reasoning and answer), or that the template does not render verbatim
+    (reported by the template check), are not compared here."""
     out = []
-    for i, m in enumerate(messages):
+    for i, t0, t1 in rendered.reply_tokens:
+        m = messages[i]
         if m.role != "assistant" or m.token_ids is None or m.reasoning_content:
             continue
-        if tok(m.content, add_special_tokens=False).input_ids != list(m.token_ids):
+        if rendered.input_ids[t0:t1] != list(m.token_ids):
             out.append(ReplyIssue(i, "changed", "the reply's text does not tokenize back to the tokens the target "
                                                 "emitted"))
     return out
@@ -75,7 +79,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
                 skips.add(SkipRecord(c.source or c.id, f"chat template: {e}"))
                 continue
             changed = [i for i in r.reply_issues if i.kind == "changed"]
-            changed += emitted_token_issues(tok, c.messages)
+            changed += emitted_token_issues(c.messages, r)
             if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
                 skips.add(SkipRecord(c.source or c.id, f"reply changed by the chat template: {changed[0].reason}",
                                      f"messages[{changed[0].message_index}]"))
