@@ -101,7 +101,7 @@ def _rope(x, pos, hd):
 
 def _reference_steps(m: Eagle3DraftModel, ids: torch.Tensor, aux: torch.Tensor, K: int) -> list[torch.Tensor]:
     """One sequence: ids [T], aux [T, 3Ht] -> K tensors [T, H], each step recomputed from scratch."""
-    cfg, L = m.config, m.midlayer
+    cfg = m.config
     T, nh, nkv, hd = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     W = {n: p.detach().double() for n, p in m.named_parameters()}
     eps = cfg.rms_norm_eps
