@@ -91,8 +91,16 @@ def drafter_weights(model: Eagle3DraftModel, aux_layer_ids: list[int], layer_con
 
 def write_drafter(folder: Path, drafter: DrafterWeights) -> Path:
     """Write an Eyas drafter folder (each file atomically); raises :class:`EyasError` (and writes nothing) when the
-    tensors do not match the config."""
-    problems = _problems(drafter.state, drafter.config.draft)
+    tensors do not match the config. A full-vocabulary draft's ``d2t`` (the model keeps the buffer) must be the
+    identity map and is not written: engine folders carry none (:func:`~eyas.export.keys.draft_keys`)."""
+    state = drafter.state
+    problems = []
+    if full_vocabulary(drafter.config.draft) and "d2t" in state:
+        if state["d2t"].any():
+            problems.append("d2t is not the identity map, but the draft vocabulary is the target's")
+        state = {k: v for k, v in state.items() if k != "d2t"}
+        drafter = DrafterWeights(drafter.config, state)
+    problems += _problems(state, drafter.config.draft)
     if problems:
         raise EyasError(f"{folder}: drafter tensors do not match its config:\n  " + "\n  ".join(problems))
     folder = Path(folder)

@@ -229,3 +229,21 @@ def test_layer_fix_hint_does_not_move_both_engines_one_layer_late(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rep = check_folder(tmp_path, TARGET)
     assert rep.ok and rep.captured == {"sglang": [2, 5, 7], "vllm": [2, 5, 7]}, rep.to_text()
+
+
+def test_full_vocabulary_drafter_folder_round_trips(tmp_path):
+    """train/final of a full-vocabulary draft: the model's identity d2t buffer is not written (as engine folders),
+    read back as the identity; a d2t that is not the identity is refused (it would have been dropped silently)."""
+    from eyas.drafter import read_drafter, write_drafter
+    from eyas.errors import EyasError
+
+    d = _drafter(_full_vocab_model(), TRAINED)
+    assert "d2t" in d.state
+    write_drafter(tmp_path / "final", d)
+    back = read_drafter(tmp_path / "final")
+    assert not back.state["d2t"].any() and back.state["t2d"].all()
+    d.state["d2t"] = d.state["d2t"].clone()
+    d.state["d2t"][0] = 5
+    with pytest.raises(EyasError, match="not the identity map"):
+        write_drafter(tmp_path / "bad", d)
+    assert not (tmp_path / "bad").exists()
