@@ -49,6 +49,7 @@ class TokenizeSummary(Summary):
     truncated: int
     skipped: int
     replies_whitespace_changed: int | None = None  # replies kept whose outer whitespace the template changed
+    replies_trained_as_emitted: int | None = None  # replies whose emitted ids replaced their text's tokens
 
 
 class VocabSummary(Summary):

@@ -152,11 +152,17 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     eot_id = transformers.AutoTokenizer.from_pretrained(target).convert_tokens_to_ids(TINY[name]["eot"])
     first = json.loads((tmp_path / "run" / "tokenize" / "samples.jsonl").read_text().splitlines()[0])
     # a random target emits non-canonical splits ('azi' where its tokenizer splits the text as 'az' + 'ilog'):
-    # those conversations are skipped and counted (never trained on tokens the target did not emit), nothing else
+    # those replies are trained on the ids the target emitted, and counted
     tk = s["tokenize"]
-    skips = json.loads((tmp_path / "run" / "tokenize" / "meta.json").read_text())["skips"]["by_reason"]
-    assert tk.samples + tk.skipped == 12 and tk.samples >= 1 and tk.assistant_tokens > 0
-    assert all("does not tokenize back to the tokens the target emitted" in r for r in skips), skips
+    assert tk.samples == 12 and tk.assistant_tokens > 0
+    gen = {r["id"]: r for r in map(json.loads, (tmp_path / "run" / "generate" / "conversations.jsonl").open())}
+    for row in map(json.loads, (tmp_path / "run" / "tokenize" / "samples.jsonl").open()):
+        ids = row["input_ids"]
+        for m in gen[row["id"]]["messages"]:
+            e = m.get("token_ids") or []
+            # (a sample cut at max_length may cut it; Llama 3 and Gemma trim a reply's outer whitespace: counted)
+            if m["role"] == "assistant" and e and len(ids) < 160 and m["content"] == m["content"].strip():
+                assert any(ids[k:k + len(e)] == e for k in range(len(ids) - len(e) + 1)), (name, row["id"])
     trained = [t for t, m in zip(first["input_ids"], first["loss_mask"]) if m]
     assert eot_id in trained or len(first["input_ids"]) == 160  # (unless truncated at max_length)
 
@@ -175,7 +181,7 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
     torch.testing.assert_close(st.last, hs[-1][0].to(torch.bfloat16))
 
     # Train: finite, and it learns on the target's own replies.
-    assert s["train"].steps == 3 * -(-tk.samples // 4) and s["train"].loss < s["train"].first_loss   # 3 epochs
+    assert s["train"].steps == 9 and s["train"].loss < s["train"].first_loss
 
     # Export: what SGLang/vLLM read, derived from the target's config by the family's rules.
     exp = tmp_path / "run" / "export" / "sglang"

@@ -205,26 +205,32 @@ def test_harmony_replies_are_stored_as_the_template_renders_them():
     assert split_harmony("<|channel|>commentary to=functions.x<|message|>{}") is None      # tool calls: verbatim
 
 
-def test_a_reply_that_does_not_tokenize_back_is_reported(stories_dir):
+def test_a_reply_that_does_not_tokenize_back_is_trained_as_emitted(stories_dir):
     """Compared in context, as training sees the reply: a SentencePiece tokenizer marks a word start ('▁"') on
-    a text tokenized alone, not on the same reply inside the rendering, so only a real non-canonical split counts."""
+    a text tokenized alone, not on the same reply inside the rendering, so only a real non-canonical split differs;
+    that reply's emitted ids replace its text's tokens (mask 1), and everything around it stays as rendered."""
     from transformers import AutoTokenizer
 
     from eyas.data.chat import render_conversation
-    from eyas.stages.tokenize import emitted_token_issues
+    from eyas.stages.tokenize import with_emitted_tokens
 
     tok = AutoTokenizer.from_pretrained(stories_dir)
     msgs = [Message("user", "hi"), Message("assistant", '"\nOnce upon a time'), Message("user", "more"),
-            Message("assistant", "time")]
+            Message("assistant", "time"), Message("user", "end")]
     r = render_conversation(tok, [m.to_json() for m in msgs])
-    first = next(r.input_ids[a:b] for i, a, b in r.reply_tokens if i == 1)   # in context: what the target emits
+    spans = {i: (a, b) for i, a, b in r.reply_tokens}
+    first = r.input_ids[slice(*spans[1])]                          # in context: what the target emits
     assert first != tok(msgs[1].content, add_special_tokens=False).input_ids   # alone: a word-start mark added
     split = [t for ch in "time" for t in tok(ch, add_special_tokens=False).input_ids]   # not how "time" tokenizes
-    assert split != next(r.input_ids[a:b] for i, a, b in r.reply_tokens if i == 3)
+    assert split != r.input_ids[slice(*spans[3])]
     msgs[1] = Message("assistant", msgs[1].content, token_ids=first)
     msgs[3] = Message("assistant", "time", token_ids=split)
-    issues = emitted_token_issues(msgs, r)
-    assert [i.message_index for i in issues] == [3] and issues[0].kind == "changed"
+    ids, mask, spliced = with_emitted_tokens(msgs, r)
+    a, b = spans[3]
+    assert spliced == [3]
+    assert ids == r.input_ids[:a] + split + r.input_ids[b:]
+    assert mask == r.loss_mask[:a] + [1] * len(split) + r.loss_mask[b:]
+
 
 def test_replies_are_decoded_in_context(stories_dir):
     """A SentencePiece reply that starts with a space token keeps the space (decoded after the prompt's last ids,

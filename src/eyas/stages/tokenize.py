@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from ..data.chat import ChatTemplateError, ReplyIssue, render_conversation
+from ..data.chat import ChatTemplateError, render_conversation
 from ..errors import DataError
 from ..io import JsonlAppender, sha256_bytes, write_json_atomic
 from ..records import SkipCounter, SkipRecord, TokenizedSample, read_conversations
@@ -36,23 +36,29 @@ def tokenizer_identity(tok) -> dict:
     }
 
 
-def emitted_token_issues(messages, rendered) -> list[ReplyIssue]:
-    """Replies regenerated in-process keep the target's exact token ids (``Message.token_ids``): a reply whose
-    tokens inside the rendered conversation (``rendered.reply_tokens``, what training sees) are not those ids (a
-    non-canonical split the target emitted, special-token text lost) would be trained on tokens the target never
-    produced, so it is reported (and the conversation skipped). The comparison is in context, as served: a
-    SentencePiece tokenizer adds a word-start mark to a text tokenized on its own, not to a reply inside the render.
-    Replies stored as parts (harmony's reasoning and answer), or that the template does not render verbatim
-    (reported by the template check), are not compared here."""
-    out = []
-    for i, t0, t1 in rendered.reply_tokens:
+def with_emitted_tokens(messages, rendered) -> tuple[list[int], list[int], list[int]]:
+    """``(input_ids, loss_mask, spliced)``: the rendered conversation with every in-process reply's tokens inside it
+    (``rendered.reply_tokens``) replaced by the ids the target emitted (``Message.token_ids``) where they differ;
+    ``spliced`` lists those message indices.
+
+    The text of a reply does not always tokenize back to what the target emitted: SmolLM2 emits ``'\\n\\n'`` as
+    one token before a digit where its tokenizer splits it in two, and a reply cut at ``max_new_tokens`` can end
+    inside a character. Served, the target's KV cache and the drafter's context hold the emitted ids, so those are
+    trained (their loss mask is 1, as the reply's was). The swap is exact at both ends: the reply check
+    (:func:`eyas.data.chat.render_conversation`) leaves no token crossing a verbatim reply's start or end.
+    Replies stored as parts (harmony's reasoning and answer) are kept as rendered."""
+    ids, mask = list(rendered.input_ids), list(rendered.loss_mask)
+    spliced = []
+    for i, t0, t1 in sorted(rendered.reply_tokens, key=lambda x: -x[1]):   # last first: earlier indices hold
         m = messages[i]
         if m.role != "assistant" or m.token_ids is None or m.reasoning_content:
             continue
-        if rendered.input_ids[t0:t1] != list(m.token_ids):
-            out.append(ReplyIssue(i, "changed", "the reply's text does not tokenize back to the tokens the target "
-                                                "emitted"))
-    return out
+        emitted = list(m.token_ids)
+        if ids[t0:t1] != emitted:
+            ids[t0:t1] = emitted
+            mask[t0:t1] = [1] * len(emitted)
+            spliced.append(i)
+    return ids, mask, sorted(spliced)
 
 
 def run(ctx: RunContext) -> TokenizeSummary:
@@ -66,6 +72,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
         raise DataError(f"tokenize: {src} holds no conversation; rerun generate (and prepare) with --force")
     skips = SkipCounter()
     whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
+    emitted_kept = SkipCounter()  # replies whose emitted ids replaced their text's tokens
     n = tokens = trained = truncated = 0
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
@@ -79,14 +86,17 @@ def run(ctx: RunContext) -> TokenizeSummary:
                 skips.add(SkipRecord(c.source or c.id, f"chat template: {e}"))
                 continue
             changed = [i for i in r.reply_issues if i.kind == "changed"]
-            changed += emitted_token_issues(c.messages, r)
             if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
                 skips.add(SkipRecord(c.source or c.id, f"reply changed by the chat template: {changed[0].reason}",
                                      f"messages[{changed[0].message_index}]"))
                 continue
             for i in r.reply_issues:
                 whitespace.add(SkipRecord(c.source or c.id, i.reason, f"messages[{i.message_index}]"))
-            ids, mask = r.input_ids, r.loss_mask
+            ids, mask, swapped = with_emitted_tokens(c.messages, r)
+            for i in swapped:
+                emitted_kept.add(SkipRecord(c.source or c.id, "reply text tokenizes differently from the ids the "
+                                                              "target emitted: the emitted ids are trained",
+                                            f"messages[{i}]"))
             if len(ids) > cfg.max_length:
                 ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
                 truncated += 1
@@ -102,6 +112,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
         "max_length": cfg.max_length, "chat_template_kwargs": cfg.chat_template_kwargs,
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
+        "replies_trained_as_emitted": emitted_kept.to_json(),
     }
     write_json_atomic(ctx.run.tokenize_meta, meta)
     if skips.total:
@@ -109,9 +120,13 @@ def run(ctx: RunContext) -> TokenizeSummary:
     if whitespace.total:
         ctx.log(f"[eyas] tokenize: {whitespace.total} replies kept whose leading/trailing whitespace the chat "
                 f"template changed; listed in {ctx.run.tokenize_meta} (reply_whitespace_changed)")
+    if emitted_kept.total:
+        ctx.log(f"[eyas] tokenize: {emitted_kept.total} replies whose text tokenizes differently from what the "
+                f"target emitted are trained on the emitted ids; listed in {ctx.run.tokenize_meta}")
     if n == 0:
         reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
         raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
                         f"{reasons}\n(examples in {ctx.run.tokenize_meta})")
     return TokenizeSummary(samples=n, tokens=tokens, assistant_tokens=trained, truncated=truncated,
-                           skipped=skips.total, replies_whitespace_changed=whitespace.total)
+                           skipped=skips.total, replies_whitespace_changed=whitespace.total,
+                           replies_trained_as_emitted=emitted_kept.total)
