@@ -8,7 +8,7 @@ Imports only ``eyas.model`` and ``eyas.train.loss`` (torch + transformers' RoPE 
 without the rest of Eyas's dependencies.
 
     python bench/train_step.py --seq 2048 8192 32768 --attention flex --out results.json
-    python bench/train_step.py --tiny --device cpu          # a seconds-long check of the script itself
+    python bench/train_step.py --tiny --device cpu --attention sdpa   # seconds: checks the script itself
 
 FLOPs counted per token (the issue's convention): 6 x the trainable parameters each token touches (fc once; the
 decoder layer, MLP and draft lm_head once per TTT step) plus attention, 3 x 4 x (keys seen) x nh x hd per step
@@ -83,6 +83,13 @@ def build(cfg: Eagle3Config, T: int, device: torch.device, attention: str, seed:
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                target_hidden_size=576, vocab_size=49152, draft_vocab_size=32000, rms_norm_eps=1e-5,
                max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+# Kimi-K2's width and vocabulary (issue 13): hidden 7168, 64 query heads, vocabulary 163,840; the draft's own
+# choices (no published EAGLE-3 Llama-layer config for it): 8 KV heads of 128 (as SpecForge's DeepSeek-V3 draft),
+# intermediate 18,432 (Kimi-K2's dense MLP), default RoPE at its rope_theta 50,000.
+KIMI_K2 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=8,
+               head_dim=128, target_hidden_size=7168, vocab_size=163840, draft_vocab_size=32000, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+SHAPES = {"llama31-8b": LLAMA31_8B, "kimi-k2": KIMI_K2, "smollm2": SMOLLM2, "tiny": TINY}
 
 
 def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk: int, compiled: bool):
@@ -102,7 +109,7 @@ def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk
 
 def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
             warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
-            batch: int = 1) -> dict:
+            batch: int = 1, shape_name: str = "") -> dict:
     model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
     if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
         model.compile_ttt()
@@ -143,7 +150,8 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
     times.sort()
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
-    out = {"seq": T, "batch": batch, "ttt_steps": K, "attention": attention, "compile_layer": compile_layer,
+    out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "attention": attention,
+           "compile_layer": compile_layer,
            "param_dtype": param_dtype, "loss_chunk": loss_chunk,
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(batch * T / med, 1), "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
@@ -176,6 +184,7 @@ def matmul_tflops(device: torch.device) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", nargs="+", default=["llama31-8b"], choices=sorted(SHAPES), help="draft shapes")
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--attention", nargs="+", default=["flex"], help="ATTENTION backends to time")
@@ -193,14 +202,15 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    cfg = Eagle3Config(**(TINY if args.tiny else LLAMA31_8B))
     peak = matmul_tflops(device) if device.type == "cuda" else float("nan")
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), torch "
           f"{torch.__version__}, measured bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     compiles = {"none": [False], "layer": [True], "both": [False, True]}[args.compile]
     rows, t0 = [], time.time()
-    combos = [(a, c, pd) for a in args.attention for c in compiles for pd in args.param_dtype]
-    for attention, comp, pdt in combos:
+    shapes = ["tiny"] if args.tiny else args.shape
+    combos = [(s, a, c, pd) for s in shapes for a in args.attention for c in compiles for pd in args.param_dtype]
+    for shape, attention, comp, pdt in combos:
+        cfg = Eagle3Config(**SHAPES[shape])
         for T in args.seq:
             if attention == "sdpa" and T > 8192:
                 continue  # the SDPA backend's dense [T, K*T] mask is meant for short sequences
@@ -209,9 +219,9 @@ def main() -> None:
                 continue
             try:
                 r = measure(cfg, T, args.ttt, device, attention, comp, args.warmup, args.iters, args.loss_chunk,
-                            pdt, args.profile if not rows else None)
+                            pdt, args.profile if not rows else None, shape_name=shape)
             except Exception as e:  # an OOM or a compile failure is a result too
-                r = {"seq": T, "attention": attention, "compile_layer": comp,
+                r = {"shape": shape, "seq": T, "attention": attention, "compile_layer": comp,
                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
