@@ -87,15 +87,15 @@ def ttt_loss(step_logits: list[torch.Tensor], labels: TargetLabels, decay: float
     return total, metrics
 
 
-def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor):
-    """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w [B, c] -> (sum_r w_r CE_r, weighted argmax hits,
-    dloss/dlogits fp32 [B, c, Dv]). CE against soft labels p: lse * sum(p) - sum(p * logits)."""
+def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor, grad_scale: torch.Tensor):
+    """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w [B, c], grad_scale 0-d -> (sum_r w_r CE_r, weighted
+    argmax hits, grad_scale * dloss/dlogits fp32 [B, c, Dv]). CE against soft labels p: lse * sum(p) - sum(p * x)."""
     rw = row_w.to(logits.dtype)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)                         # [B, c, 1]
     psum = probs.sum(-1, keepdim=True)
     loss = (rw * (lse.squeeze(-1) * psum.squeeze(-1) - (probs * logits).sum(-1))).sum()
     hits = (rw.ne(0) & (logits.argmax(-1) == probs.argmax(-1))).float().sum()
-    grad = (torch.exp(logits - lse) * psum - probs) * rw.unsqueeze(-1)
+    grad = (torch.exp(logits - lse) * psum - probs) * (rw * grad_scale.to(rw.dtype)).unsqueeze(-1)
     return loss, hits, grad
 
 
@@ -105,48 +105,70 @@ def _soft_ce_kernel(compiled: bool):
 
 
 class _ChunkedSoftCE(torch.autograd.Function):
-    """sum_rows w[r] * CE(p[r], softmax(x[r] @ W^T)) without keeping the logits: the gradient is computed in the
-    forward pass chunk by chunk (the fused linear + cross-entropy technique), so memory is O(chunk x Dv), never
-    [T, Dv] per TTT step. Also returns the weighted count of argmax agreements (no gradient)."""
+    """All K TTT steps' ``sum_k w_k sum_rows rw_k[r] CE(p_k[r], softmax(x_k[r] @ W^T))`` in one autograd node,
+    without keeping logits: the gradients are computed in the forward pass chunk by chunk (the fused linear +
+    cross-entropy technique), so memory is O(chunk x Dv), never [T, Dv] per step, and the lm_head gradient is one
+    buffer [Dv, H] (fp32) accumulated over every chunk of every step (one node per step would keep K of them until
+    backward: 3.7 GB for a Llama-3.1-8B-shaped draft at TTT 7). Also returns the per-step unweighted losses and
+    weighted argmax agreements (no gradient).
+
+    ``tensors`` holds K inputs x [B, n_k, H], then K label views [B, n_k, Dv], then K row weights [B, n_k]."""
 
     @staticmethod
-    def forward(ctx, x, weight, probs, row_w, chunk: int, compute_dtype, compiled: bool, need_grad: bool):
-        B, T, H = x.shape
+    def forward(ctx, weight, step_weights: tuple, chunk: int, compute_dtype, compiled: bool, need_grad: bool,
+                *tensors):
+        K = len(step_weights)
+        xs, probs_k, rows_k = tensors[:K], tensors[K: 2 * K], tensors[2 * K:]
         cd = compute_dtype
         w_c = weight.to(cd)
         kernel = _soft_ce_kernel(compiled)
         acc = torch.promote_types(weight.dtype, torch.float32)     # fp32 accumulation (fp64 in exactness tests)
-        grad_x = torch.empty(B, T, H, dtype=x.dtype, device=x.device)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=x.device)
-        loss = torch.zeros((), dtype=acc, device=x.device)
-        hits = torch.zeros((), dtype=torch.float32, device=x.device)
-        for a in range(0, T, chunk):
-            xc = x[:, a: a + chunk].to(cd)                                      # [B, c, H]
-            logits = (xc @ w_c.T).to(acc)                                       # [B, c, Dv]
-            loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk])
-            loss, hits = loss + loss_c, hits + hits_c
-            if not need_grad:
-                continue
-            g = g.to(cd)
-            grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
-            grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
-        ctx.save_for_backward(grad_x, grad_w)
+        device = weight.device
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_grad else None
+        losses = torch.zeros(K, dtype=acc, device=device)
+        hits = torch.zeros(K, dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=acc, device=device)
+        grad_xs = []
+        for k, (x, probs, row_w, w_k) in enumerate(zip(xs, probs_k, rows_k, step_weights)):
+            B, T, H = x.shape
+            scale = torch.tensor(w_k, dtype=acc, device=device)
+            grad_x = torch.empty(B, T, H, dtype=x.dtype, device=device) if need_grad else None
+            loss_k = torch.zeros((), dtype=acc, device=device)
+            for a in range(0, T, chunk):
+                xc = x[:, a: a + chunk].to(cd)                                  # [B, c, H]
+                logits = (xc @ w_c.T).to(acc)                                   # [B, c, Dv]
+                loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk], scale)
+                loss_k = loss_k + loss_c
+                hits[k] += hits_c
+                if not need_grad:
+                    continue
+                g = g.to(cd)
+                grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
+                grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
+            losses[k] = loss_k
+            total = total + w_k * loss_k
+            grad_xs.append(grad_x)
+        if need_grad:
+            ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
+        ctx.n_steps = K
+        ctx.mark_non_differentiable(losses, hits)
+        return total, losses, hits
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):
-        grad_x, grad_w = ctx.saved_tensors
-        none = (None,) * 6
-        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype)) + none
+    def backward(ctx, grad_total, _grad_losses, _grad_hits):
+        grad_w, *grad_xs = ctx.saved_tensors
+        K = ctx.n_steps
+        return ((grad_w * grad_total).to(ctx.weight_dtype),) + (None,) * 5 + tuple(
+            g * grad_total.to(g.dtype) for g in grad_xs) + (None,) * (2 * K)
 
 
 def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_head_weight: torch.Tensor,
                    labels: TargetLabels, decay: float, chunk: int = 2048, compiled: bool = False,
                    denominators: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The same loss as :func:`ttt_loss`, computed from the pre-norm hidden states with the draft lm_head fused
-    into the cross-entropy (no [T, Dv] logits kept for backward; chunks of ``chunk`` positions).
+    into the cross-entropy (no [T, Dv] logits kept for backward; chunks of ``chunk`` positions), all TTT steps in
+    one autograd node with one lm_head gradient buffer.
 
     Args:
         step_hidden: K tensors [B, T, H]: step k's pre-norm hidden (the draft model's ``forward``).
@@ -167,23 +189,31 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else lm_head_weight.dtype)
     T = labels.probs.shape[1]
     acc = torch.promote_types(labels.probs.dtype, torch.float32)
-    total = torch.zeros((), dtype=acc, device=labels.probs.device)
-    metrics: dict = {}
+    steps, xs, probs, rows, weights, counts, dens = [], [], [], [], [], [], []
     for k, h in enumerate(step_hidden):
         n_rows = T - 1 - k                                   # positions whose label s = t+1+k exists
         if n_rows <= 0:
             continue
         valid = labels.valid[:, 1 + k:].to(acc)                                 # [B, n_rows]
         n = (valid.sum() if denominators is None else denominators[k].to(acc)).clamp(min=1)
-        x = norm(h[:, :n_rows])                                                 # [B, n_rows, H]
-        need_grad = torch.is_grad_enabled() and (x.requires_grad or lm_head_weight.requires_grad)
-        loss_k, hits = _ChunkedSoftCE.apply(x, lm_head_weight, labels.probs[:, 1 + k:], valid / n, chunk, cd,
-                                             compiled, need_grad)
-        total = total + (decay ** k) * loss_k
-        metrics[f"loss_{k}"] = loss_k.detach()
-        metrics[f"acc_{k}"] = hits / n
-        metrics[f"count_{k}"] = valid.sum()
-        metrics[f"hits_{k}"] = hits
+        steps.append(k)
+        xs.append(norm(h[:, :n_rows]))                                          # [B, n_rows, H]
+        probs.append(labels.probs[:, 1 + k:])
+        rows.append(valid / n)
+        weights.append(decay ** k)
+        counts.append(valid.sum())
+        dens.append(n)
+    metrics: dict = {}
+    if not steps:
+        return torch.zeros((), dtype=acc, device=labels.probs.device), metrics
+    need_grad = torch.is_grad_enabled() and (any(x.requires_grad for x in xs) or lm_head_weight.requires_grad)
+    total, losses, hits = _ChunkedSoftCE.apply(lm_head_weight, tuple(weights), chunk, cd, compiled, need_grad,
+                                               *xs, *probs, *rows)
+    for i, k in enumerate(steps):
+        metrics[f"loss_{k}"] = losses[i]
+        metrics[f"acc_{k}"] = hits[i] / dens[i]
+        metrics[f"count_{k}"] = counts[i]
+        metrics[f"hits_{k}"] = hits[i]
     return total, metrics
 
 
