@@ -159,6 +159,10 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
            "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4)}
     if device.type == "cuda":
         out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    else:   # the process's peak resident memory (one configuration per process to read it as this one's peak)
+        import resource
+
+        out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
     del model, data, params, opt, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
