@@ -276,3 +276,40 @@ def test_attention_registry_is_plain_functions():
     assert set(ATTENTION) >= {"sdpa", "flex"} and all(callable(f) for f in ATTENTION.values())
     with pytest.raises(KeyError):
         Eagle3DraftModel(_cfg()).set_attention("nope")
+
+
+def test_projection_weights_cast_once_per_forward_under_autocast():
+    """Under autocast over fp32 weights the TTT forward casts the layer's seven projections once for all steps
+    (:meth:`Eagle3DecoderLayer.ttt_weights`), not once per step: the same hidden states and gradients as letting
+    autocast cast inside each step, and no copy without autocast."""
+    torch.manual_seed(3)
+    m = Eagle3DraftModel(_cfg())
+    ids = torch.randint(0, m.config.vocab_size, (2, 7))
+    aux = torch.randn(2, 7, 3 * m.config.target_hidden_size)
+    assert m.midlayer.ttt_weights(None) is None
+    params = [p for n, p in m.named_parameters() if p.requires_grad and n.startswith(("fc.", "midlayer."))]
+    casts, runs = [], []
+    real = m.midlayer.ttt_weights
+    for once in (True, False):
+        def spy(dtype, once=once):
+            casts.append(dtype)
+            return real(dtype) if once else None
+        m.midlayer.ttt_weights = spy
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hs = m(ids, aux, 3)
+        assert all(h.dtype == torch.bfloat16 for h in hs)    # autocast reached the layer's products
+        grads = torch.autograd.grad(sum(h.float().square().sum() for h in hs), params)
+        runs.append((hs, grads))
+    del m.midlayer.ttt_weights
+    assert casts == [torch.bfloat16, torch.bfloat16]          # asked once per forward, not per step
+    (h1, g1), (h2, g2) = runs
+    for a, b in zip(h1, h2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(g1, g2):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+    with torch.no_grad():
+        m(ids, aux, 2)
+    assert casts == [torch.bfloat16, torch.bfloat16]          # the spy is gone; fp32: no copy (ttt_weights(None))
+    w = m.midlayer.ttt_weights(torch.bfloat16)
+    assert sorted(w) == ["down", "gate", "k", "o", "q", "up", "v"] and {t.dtype for t in w.values()} == {torch.bfloat16}

@@ -102,6 +102,11 @@ class RotaryEmbedding(nn.Module):
         return cos[0], sin[0]
 
 
+def _linear(x: torch.Tensor, layer: nn.Linear, weights: dict | None, name: str) -> torch.Tensor:
+    """``layer(x)``, or ``weights[name]`` (a TTT forward's once-cast copy, :meth:`Eagle3DecoderLayer.ttt_weights`)."""
+    return layer(x) if weights is None else F.linear(x, weights[name])
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, h, T, hd]; cos/sin [T, hd]."""
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
@@ -121,16 +126,16 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.backend = "sdpa"
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, weights: dict | None = None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)   # [B, nh, T, hd]
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = _linear(x, self.q_proj, weights, "q").view(B, T, self.nh, self.hd).transpose(1, 2)   # [B, nh, T, hd]
+        k = _linear(x, self.k_proj, weights, "k").view(B, T, self.nkv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
+        v = _linear(x, self.v_proj, weights, "v").view(B, T, self.nkv, self.hd).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _out(self, o: torch.Tensor) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
         B, _, T, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return _linear(o.transpose(1, 2).reshape(B, T, self.nh * self.hd), self.o_proj, weights, "o")
 
     def decode(self, x: torch.Tensor, cos, sin, kv: "KVCache") -> torch.Tensor:
         """Inference: x [B, S, 2H] new entries after ``kv.length`` cached ones; causal over cache + new."""
@@ -166,8 +171,9 @@ class Eagle3MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, weights: dict | None = None):
+        gate = F.silu(_linear(x, self.gate_proj, weights, "gate"))
+        return _linear(gate * _linear(x, self.up_proj, weights, "up"), self.down_proj, weights, "down")
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -187,23 +193,37 @@ class Eagle3DecoderLayer(nn.Module):
         h = hidden + self.self_attn.decode(x, cos, sin, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def ttt_step(self, emb, hidden, cos, sin, ks: list, vs: list, num_steps: int):
-        """Training: one TTT step. emb, hidden [B, T, H]; ``ks``/``vs`` earlier steps' keys/values.
-        Returns (new hidden [B, T, H] pre-norm, fed back as the next step's feature; k; v)."""
-        q, k, v = self.ttt_in(emb, hidden, cos, sin)
-        o = ATTENTION[self.self_attn.backend](q, ks + [k], vs + [v], num_steps)      # [B, nh, T, hd]
-        return self.ttt_out(o, hidden), k, v
+    def ttt_weights(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+        """The seven projection weights cast to ``dtype`` once, for every TTT step of one forward (None: use the
+        modules as they are). Under autocast over fp32 master weights each compiled step would otherwise cast
+        (and keep for backward) its own bf16 copy: K copies of the layer, 3.4 GB at TTT 7 for a
+        Llama-3.1-8B-shaped draft. The same bf16 values autocast uses; the K steps' gradients meet at the one
+        cast, as under eager autocast's weight cache."""
+        if dtype is None:
+            return None
+        a, m = self.self_attn, self.mlp
+        layers = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
+                  "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj}
+        return {name: layer.weight.to(dtype) for name, layer in layers.items()}
 
-    def ttt_in(self, emb, hidden, cos, sin):
+    def ttt_step(self, emb, hidden, cos, sin, ks: list, vs: list, num_steps: int, weights: dict | None = None):
+        """Training: one TTT step. emb, hidden [B, T, H]; ``ks``/``vs`` earlier steps' keys/values; ``weights``
+        from :meth:`ttt_weights`. Returns (new hidden [B, T, H] pre-norm, fed back as the next step's feature;
+        k; v)."""
+        q, k, v = self.ttt_in(emb, hidden, cos, sin, weights)
+        o = ATTENTION[self.self_attn.backend](q, ks + [k], vs + [v], num_steps)      # [B, nh, T, hd]
+        return self.ttt_out(o, hidden, weights), k, v
+
+    def ttt_in(self, emb, hidden, cos, sin, weights: dict | None = None):
         """Norms, concat, q/k/v projections and RoPE: (q [B, nh, T, hd], k, v [B, nkv, T, hd]). Same shapes at
         every TTT step, so ``torch.compile`` of this method compiles once per sequence length."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        return self.self_attn._qkv(x, cos, sin)
+        return self.self_attn._qkv(x, cos, sin, weights)
 
-    def ttt_out(self, o, hidden):
+    def ttt_out(self, o, hidden, weights: dict | None = None):
         """o_proj, residual on the raw feature, post-attention norm and MLP: [B, T, H]."""
-        h = hidden + self.self_attn._out(o)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = hidden + self.self_attn._out(o, weights)
+        return h + self.mlp(self.post_attention_layernorm(h), weights)
 
 
 class Eagle3DraftModel(nn.Module):
@@ -251,14 +271,15 @@ class Eagle3DraftModel(nn.Module):
         ks: list = []
         vs: list = []
         outs = []
+        weights = self.midlayer.ttt_weights(_autocast_cast_dtype(self.midlayer.self_attn.q_proj.weight))
         for k in range(ttt_steps):
             cos, sin = self.rotary(positions + k)
             emb = self.embed_tokens(ids)                         # [B, T, H]
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 hidden, key, value = checkpoint(self.midlayer.ttt_step, emb, hidden, cos, sin, ks, vs, ttt_steps,
-                                                use_reentrant=False)
+                                                weights, use_reentrant=False)
             else:
-                hidden, key, value = self.midlayer.ttt_step(emb, hidden, cos, sin, ks, vs, ttt_steps)
+                hidden, key, value = self.midlayer.ttt_step(emb, hidden, cos, sin, ks, vs, ttt_steps, weights)
             ks, vs = ks + [key], vs + [value]
             outs.append(hidden)
             ids = _shift_left(ids)                               # step k+1 embeds token t+2+k
@@ -288,6 +309,15 @@ class Eagle3DraftModel(nn.Module):
             hidden = self.fc(hidden)
         cos, sin = self.rotary(positions)
         return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv)
+
+
+def _autocast_cast_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast this fp32 weight to in a matrix product on its device, or None (autocast off,
+    or the weight not fp32: bf16 weights, or FSDP's bf16 mixed precision, need no cast)."""
+    device = weight.device.type
+    if weight.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def _shift_left(ids: torch.Tensor) -> torch.Tensor:
