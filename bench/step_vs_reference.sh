@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Eyas's training step against the field's reference trainer (SpecForge v0.2.0), side by side in one device call
 # (issue 13). Needs the fetched reference under .ref/SpecForge (bench/reference_step.py says how); carry .ref.
+#   here:    bench/step_vs_reference.sh ref GITDIR   the reference at v0.2.0 into .ref/SpecForge from a clone of
+#            github.com/sgl-project/SpecForge (on these machines, the search library's `fetch` gives one)
 #   device:  bench/step_vs_reference.sh gpu      (carry: .ref; results and the table in $OUT)
 #   here:    bench/step_vs_reference.sh cpu      the same commands at the tiny shape (checks the scripts), and
 #            bench/reference_step.py agree: Eyas's TTT against the reference's on the same weights (fp32, CPU)
 # Each trainer runs in its own process (no memory left over from the other); the reference first at each shape.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?mode: gpu or cpu}
+mode=${1:?mode: ref, gpu or cpu}
 PY=${PYTHON:-python3}
+if [ "$mode" = ref ]; then
+  GITDIR=${2:?a git directory of SpecForge}
+  rm -rf .ref/SpecForge && mkdir -p .ref/SpecForge
+  git --git-dir="$GITDIR" archive 73e6f808 specforge scripts/train_eagle3.py LICENSE | tar -x -C .ref/SpecForge
+  echo "reference (SpecForge 73e6f808, v0.2.0) in .ref/SpecForge: $(du -sh .ref/SpecForge | cut -f1)"
+  exit 0
+fi
 O=${OUT:-/tmp/step_vs_reference}
 mkdir -p "$O"
 if [ "$mode" = gpu ]; then
