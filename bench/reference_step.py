@@ -8,7 +8,8 @@ network (it is pure Python, 0.6 MB, carried to the device with the checkout's ig
     mkdir -p .ref/SpecForge
     git -C /tmp/SpecForge archive 73e6f808 specforge scripts LICENSE | tar -x -C .ref/SpecForge
 
-(73e6f808 is "bump version to v0.2.0", the tag's commit.)
+(73e6f808 is "bump version to v0.2.0", the tag's commit; ``bench/step_vs_reference.sh ref GITDIR`` does the same
+from any local clone.)
 
 **What is timed** is the reference script's offline step (``scripts/train_eagle3.py``: ``run_forward`` with
 ``is_online=False`` and ``run_backward_and_update``), built the way its ``main`` builds it:
