@@ -42,9 +42,9 @@ def target_labels(last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Te
     in_draft = torch.empty(B, T, dtype=torch.bool, device=last.device)
     w = lm_head.to(last.dtype)
     for a in range(0, T, chunk):
-        logits = (last[:, a: a + chunk] @ w.T).float()                      # [B, c, V]
-        in_draft[:, a: a + chunk] = t2d[logits.argmax(-1)]
-        probs[:, a: a + chunk] = torch.softmax(logits[..., draft_ids], dim=-1)
+        logits = last[:, a: a + chunk] @ w.T                                # [B, c, V] in the states' dtype
+        in_draft[:, a: a + chunk] = t2d[logits.argmax(-1)]                  # no fp32 copy of the full vocabulary
+        probs[:, a: a + chunk] = torch.softmax(logits[..., draft_ids].float(), dim=-1)
     next_is_assistant = torch.zeros_like(in_draft)
     next_is_assistant[:, :-1] = loss_mask[:, 1:].bool()
     return TargetLabels(probs=probs, valid=in_draft & next_is_assistant)
