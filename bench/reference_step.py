@@ -56,7 +56,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from train_step import SHAPES, flops_per_token  # noqa: E402
+from train_step import SHAPES, flops_per_token, peak_memory, warm_and_time  # noqa: E402
 
 REF_COMMIT = "73e6f808"
 
@@ -171,30 +171,9 @@ def measure(mods: dict, shape_name: str, T: int, K: int, device: torch.device, w
     attention = "flex_attention" if device.type == "cuda" else "sdpa"
     model, head, opt, data = build(mods, shape, T, K, device, fsdp=device.type == "cuda", attention=attention)
     step = make_step(model, head, opt, data)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.time()
-    for _ in range(warmup):
-        loss = step()
-    sync()
-    warm_s = time.time() - t0
+    loss, warm_s, times = warm_and_time(step, device, warmup, iters)
     if not math.isfinite(float(loss)):
         raise RuntimeError(f"non-finite loss {float(loss)}")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-    times.sort()
     med = times[len(times) // 2]
     from eyas.model.eagle3 import Eagle3Config
 
@@ -202,9 +181,7 @@ def measure(mods: dict, shape_name: str, T: int, K: int, device: torch.device, w
     out = {"trainer": f"specforge-v0.2.0 ({REF_COMMIT})", "shape": shape_name, "seq": T, "batch": 1, "ttt_steps": K,
            "attention": attention, "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(T / med, 1), "tflops_per_s": round(T * (dense + attn) / med / 1e12, 1),
-           "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4)}
-    if device.type == "cuda":
-        out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+           "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4), **peak_memory(device)}
     del model, head, opt, data, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -307,14 +284,14 @@ def agree(root: Path, T: int = 48, K: int = 7, attention: str = "flex_attention"
 
     with torch.no_grad():
         target = last @ head.T                                    # the TargetHead, fp32
-        r_ids, r_target, r_mask = (padding_args := mods["head"].TargetHead.preprocess(None, ids, target, loss_mask))
-        del padding_args
+        r_ids, r_target, r_mask = mods["head"].TargetHead.preprocess(None, ids, target, loss_mask)  # no self use
         model = mods["eagle3"].OnlineEagle3Model(draft_model=ref, length=K, attention_backend=attention)
         model(input_ids=r_ids, attention_mask=torch.ones(1, T, dtype=torch.int64), loss_mask=r_mask,
               target=r_target, hidden_states=aux)
         hiddens = mine(ids, aux, K)
         labels = target_labels(last, head, draft_ids, mine.t2d, loss_mask)
-    out = {"attention": attention, "T": T, "ttt_steps": K, "hidden_max_abs_diff": [], "label_max_abs_diff": [], "mask_differs_at": []}
+    out = {"attention": attention, "T": T, "ttt_steps": K,
+           "hidden_max_abs_diff": [], "label_max_abs_diff": [], "mask_differs_at": []}
     for k in range(K):
         n = T - 1 - k
         out["hidden_max_abs_diff"].append(float((hiddens[k][:, :n] - seen["hidden"][k][:, :n]).abs().max()))

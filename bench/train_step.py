@@ -107,23 +107,18 @@ def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk
     return step
 
 
-def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
-            warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
-            batch: int = 1, shape_name: str = "") -> dict:
-    model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
-    if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
-        model.compile_ttt()
-    step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t_c = time.time()
+def warm_and_time(step, device: torch.device, warmup: int, iters: int) -> tuple[object, float, list[float]]:
+    """Run ``step()`` ``warmup`` times, then time it ``iters`` times (CUDA events on a GPU, the wall clock on a CPU;
+    peak-memory statistics reset between). Returns (the last warm-up step's output, warm-up seconds, step seconds
+    sorted ascending)."""
+    t0 = time.time()
+    out = None
     for _ in range(warmup):
-        loss, gn = step()
-    sync()
-    warm_s = time.time() - t_c
-    if not (math.isfinite(float(loss)) and math.isfinite(float(gn))):
-        raise RuntimeError(f"non-finite loss {float(loss)} / grad norm {float(gn)}")
+        out = step()
     if device.type == "cuda":
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    warm_s = time.time() - t0
     times = []
     for _ in range(iters):
         if device.type == "cuda":
@@ -137,6 +132,27 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
             t = time.perf_counter()
             step()
             times.append(time.perf_counter() - t)
+    return out, warm_s, sorted(times)
+
+
+def peak_memory(device: torch.device) -> dict:
+    """``peak_gb``: the GPU's allocated peak since the last reset; on a CPU ``peak_rss_gb``, the process's peak
+    resident memory (one configuration per process to read it as that configuration's)."""
+    if device.type == "cuda":
+        return {"peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+    import resource
+
+    return {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+
+
+def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
+            warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
+            batch: int = 1, shape_name: str = "") -> dict:
+    model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
+    if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
+        model.compile_ttt()
+    step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
+    (loss, gn), warm_s, times = warm_and_time(step, device, warmup, iters)
     if profile is not None and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
 
@@ -147,7 +163,8 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
         table = pr.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
         profile.write_text(table)
         print(table, flush=True)
-    times.sort()
+    if not (math.isfinite(float(loss)) and math.isfinite(float(gn))):
+        raise RuntimeError(f"non-finite loss {float(loss)} / grad norm {float(gn)}")
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
     out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "attention": attention,
@@ -156,13 +173,7 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(batch * T / med, 1), "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
            "dense_gflop_per_token": round(dense / 1e9, 2), "attention_gflop_per_token": round(attn / 1e9, 3),
-           "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4)}
-    if device.type == "cuda":
-        out["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-    else:   # the process's peak resident memory (one configuration per process to read it as this one's peak)
-        import resource
-
-        out["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
+           "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4), **peak_memory(device)}
     del model, data, params, opt, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
