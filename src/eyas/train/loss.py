@@ -87,15 +87,16 @@ def ttt_loss(step_logits: list[torch.Tensor], labels: TargetLabels, decay: float
     return total, metrics
 
 
-def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor, grad_scale: torch.Tensor):
-    """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w [B, c], grad_scale 0-d -> (sum_r w_r CE_r, weighted
-    argmax hits, grad_scale * dloss/dlogits fp32 [B, c, Dv]). CE against soft labels p: lse * sum(p) - sum(p * x)."""
+def _soft_ce_chunk(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor, grad_row_w: torch.Tensor):
+    """logits fp32 [B, c, Dv], probs fp32 [B, c, Dv], row_w and grad_row_w [B, c] -> (sum_r w_r CE_r, weighted
+    argmax hits, the gradient of sum_r grad_row_w_r CE_r as fp32 [B, c, Dv]). CE against soft labels p:
+    lse * sum(p) - sum(p * x)."""
     rw = row_w.to(logits.dtype)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)                         # [B, c, 1]
     psum = probs.sum(-1, keepdim=True)
     loss = (rw * (lse.squeeze(-1) * psum.squeeze(-1) - (probs * logits).sum(-1))).sum()
     hits = (rw.ne(0) & (logits.argmax(-1) == probs.argmax(-1))).float().sum()
-    grad = (torch.exp(logits - lse) * psum - probs) * (rw * grad_scale.to(rw.dtype)).unsqueeze(-1)
+    grad = (torch.exp(logits - lse) * psum - probs) * grad_row_w.to(logits.dtype).unsqueeze(-1)
     return loss, hits, grad
 
 
@@ -131,13 +132,14 @@ class _ChunkedSoftCE(torch.autograd.Function):
         grad_xs = []
         for k, (x, probs, row_w, w_k) in enumerate(zip(xs, probs_k, rows_k, step_weights)):
             B, T, H = x.shape
-            scale = torch.tensor(w_k, dtype=acc, device=device)
+            grad_rows = row_w * w_k                   # the step's weight, on the device (no host copy in the step)
             grad_x = torch.empty(B, T, H, dtype=x.dtype, device=device) if need_grad else None
             loss_k = torch.zeros((), dtype=acc, device=device)
             for a in range(0, T, chunk):
                 xc = x[:, a: a + chunk].to(cd)                                  # [B, c, H]
                 logits = (xc @ w_c.T).to(acc)                                   # [B, c, Dv]
-                loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk], scale)
+                loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk],
+                                           grad_rows[:, a: a + chunk])
                 loss_k = loss_k + loss_c
                 hits[k] += hits_c
                 if not need_grad:
@@ -151,16 +153,14 @@ class _ChunkedSoftCE(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype
-        ctx.n_steps = K
         ctx.mark_non_differentiable(losses, hits)
         return total, losses, hits
 
     @staticmethod
     def backward(ctx, grad_total, _grad_losses, _grad_hits):
         grad_w, *grad_xs = ctx.saved_tensors
-        K = ctx.n_steps
         return ((grad_w * grad_total).to(ctx.weight_dtype),) + (None,) * 5 + tuple(
-            g * grad_total.to(g.dtype) for g in grad_xs) + (None,) * (2 * K)
+            g * grad_total.to(g.dtype) for g in grad_xs) + (None,) * (2 * len(grad_xs))
 
 
 def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_head_weight: torch.Tensor,
@@ -195,13 +195,14 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
         if n_rows <= 0:
             continue
         valid = labels.valid[:, 1 + k:].to(acc)                                 # [B, n_rows]
-        n = (valid.sum() if denominators is None else denominators[k].to(acc)).clamp(min=1)
+        count = valid.sum()
+        n = (count if denominators is None else denominators[k].to(acc)).clamp(min=1)
         steps.append(k)
         xs.append(norm(h[:, :n_rows]))                                          # [B, n_rows, H]
         probs.append(labels.probs[:, 1 + k:])
         rows.append(valid / n)
         weights.append(decay ** k)
-        counts.append(valid.sum())
+        counts.append(count)
         dens.append(n)
     metrics: dict = {}
     if not steps:
