@@ -261,6 +261,14 @@ def clear_from(ctx: RunContext, stage: str) -> None:
             shutil.rmtree(d)
 
 
+def is_current(ctx: RunContext, stage: str, fp: dict) -> bool:
+    """True when ``stage`` finished with the configuration whose fingerprint is ``fp`` and is not to be redone
+    (``--force`` on it): :func:`run_stage` skips it."""
+    fp_file = ctx.run.fingerprint(stage)
+    return (fp_file.exists() and read_json(fp_file) == fp and ctx.run.done(stage).exists()
+            and not (ctx.force and stage in ctx.redo))
+
+
 def run_stage(ctx: RunContext, stage: str) -> Summary:
     """Run one stage unless it is already done with this configuration; return its summary.
 
@@ -268,8 +276,7 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
     module = stage_module(stage)
     fp = stage_fingerprint(ctx.cfg, stage)
     fp_file = ctx.run.fingerprint(stage)
-    if fp_file.exists() and read_json(fp_file) == fp and ctx.run.done(stage).exists() and not (
-            ctx.force and stage in ctx.redo):
+    if is_current(ctx, stage, fp):
         ctx.log(f"[eyas] {stage}: already done in {ctx.run.stage(stage)} (same configuration), skipped")
         return read_summary(ctx.run, stage)
     # refusals first, so that a refused command writes (and deletes) nothing
@@ -296,14 +303,11 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
 
 
 def run_stages(ctx: RunContext, stages: list[str]) -> dict[str, Summary]:
-    """Run ``stages`` in order (``eyas run``), after every one of them has checked its configuration
-    (``check_config``), so what would fail at the last stage fails before the first."""
+    """Run ``stages`` in order (``eyas run``), after every one that will run (not :func:`is_current`) has checked
+    its configuration (``check_config``), so what would fail at the last stage fails before the first."""
     for stage in stages:
         module = stage_module(stage)
-        if hasattr(module, "check_config") and not (ctx.run.done(stage).exists() and
-                                                     ctx.run.fingerprint(stage).exists() and
-                                                     read_json(ctx.run.fingerprint(stage))
-                                                     == stage_fingerprint(ctx.cfg, stage)):
+        if hasattr(module, "check_config") and not is_current(ctx, stage, stage_fingerprint(ctx.cfg, stage)):
             module.check_config(ctx)
     return {s: run_stage(ctx, s) for s in stages}
 
