@@ -125,12 +125,19 @@ def _descendants(pid: int) -> list[int]:
 
 
 def cmd_kill(args) -> None:
-    """Run ``args.cmd`` (a torchrun command); once ``--when`` exists, ``kill -9`` its worker with RANK=``--rank``;
-    the command must then fail. Writes ``--log``."""
+    """Run ``args.cmd`` (a torchrun command); once ``--when`` exists and holds at least ``--lines`` complete lines (a
+    store manifest is created empty when its writer opens, before any shard is committed), ``kill -9`` its worker
+    with RANK=``--rank``; the command must then fail. Writes ``--log``."""
     proc = subprocess.Popen(args.cmd, stdout=open(args.log, "w"), stderr=subprocess.STDOUT)
     when = Path(args.when)
     deadline = time.time() + args.timeout
-    while proc.poll() is None and time.time() < deadline and not when.exists():
+    def ready() -> bool:
+        try:
+            return when.read_bytes().count(b"\n") >= args.lines if args.lines else when.exists()
+        except OSError:
+            return False
+
+    while proc.poll() is None and time.time() < deadline and not ready():
         time.sleep(0.02)
     if proc.poll() is not None:
         raise SystemExit(f"kill: the run ended before {when} appeared (exit {proc.returncode}); see {args.log}")
@@ -272,6 +279,7 @@ def main() -> None:
         p.add_argument("--device", default="cuda")
     p = sub.add_parser("kill")
     p.add_argument("--when", required=True, help="a path; the rank is killed once it exists")
+    p.add_argument("--lines", type=int, default=0, help="... and holds this many complete lines (0: exists)")
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--log", required=True)
     p.add_argument("--timeout", type=float, default=600)

@@ -58,7 +58,7 @@ YAML
   $TR -m eyas.cli extract "$R/x2.yaml" > "$R/x2.log" 2>&1
   $B compare-stores --a "$R/x1/extract/store" --b "$R/x2/extract/store" --out "$D/stores_x1_x2.json" || echo "STORES DIFFER"
   $PY -m eyas.cli doctor "$R/x2" | tail -3
-  $B kill --when "$R/x3/extract/store/manifest/rank-001.jsonl" --log "$R/x3_1.log" -- $TR -m eyas.cli extract "$R/x3.yaml"
+  $B kill --when "$R/x3/extract/store/manifest/rank-001.jsonl" --lines 1 --log "$R/x3_1.log" -- $TR -m eyas.cli extract "$R/x3.yaml"
   $TR -m eyas.cli extract "$R/x3.yaml" > "$R/x3_2.log" 2>&1
   $B compare-stores --a "$R/x1/extract/store" --b "$R/x3/extract/store" --out "$D/stores_x1_x3.json" || echo "STORES DIFFER"
   $B report --dir "$D"

@@ -64,12 +64,13 @@ def _torchrun(stage: str, cfg: Path) -> subprocess.Popen:
                             env=ENV)
 
 
-def _kill_rank_when(stage: str, cfg: Path, when: Path, tmp_path: Path) -> None:
+def _kill_rank_when(stage: str, cfg: Path, when: Path, tmp_path: Path, lines: int = 0) -> None:
     """``bench/two_gpu.py kill`` (the tool the two-GPU benchmark uses): torchrun ``stage``, ``kill -9`` rank 1
-    once ``when`` exists; torchrun must fail."""
+    once ``when`` exists (with ``lines`` complete lines); torchrun must fail."""
     log = tmp_path / f"{stage}_killed.log"
-    proc = subprocess.run([sys.executable, str(BENCH), "kill", "--when", str(when), "--rank", "1", "--log", str(log),
-                           "--", *_torchrun_cmd(stage, cfg)], capture_output=True, text=True, env=ENV, timeout=900)
+    proc = subprocess.run([sys.executable, str(BENCH), "kill", "--when", str(when), "--lines", str(lines), "--rank",
+                           "1", "--log", str(log), "--", *_torchrun_cmd(stage, cfg)],
+                          capture_output=True, text=True, env=ENV, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (log.read_text()[-3000:] if log.exists() else "")
     assert "killed once" in proc.stdout
 
@@ -98,7 +99,7 @@ def test_extraction_kill_one_rank_then_resume(tmp_path, shared, stories_dir):
     killed = _config(tmp_path, "killed", shared, stories_dir)
     _stages(killed, ["prepare", "generate", "tokenize", "vocab"])
     manifest = tmp_path / "killed" / "extract" / "store" / "manifest" / "rank-001.jsonl"   # rank 1's first shard
-    _kill_rank_when("extract", killed, manifest, tmp_path)
+    _kill_rank_when("extract", killed, manifest, tmp_path, lines=1)   # the file exists, empty, before any shard
     assert not (tmp_path / "killed" / "extract" / "done.json").exists()
     partial = len(HiddenStateStore.open(tmp_path / "killed" / "extract" / "store"))
     assert 0 < partial < len(ref_sums)
