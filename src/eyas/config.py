@@ -46,15 +46,58 @@ class TargetConfig(Section):
     cache_dir: str | None = Field(None, description="where converted targets are cached (default ~/.cache/eyas)")
 
 
-class SourceConfig(Section):
-    """One input file of conversations or prompts."""
+FORMATS = Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat", "history"]
 
-    path: str = Field(description="a .json/.jsonl/.parquet file, a local `datasets` folder or data files "
-                                   "(loaded with the `datasets` library), or 'hub:<name>' for a Hugging Face Hub dataset")
-    format: Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat"] = "auto"
-    max_rows: int | None = Field(None, ge=1, description="read at most this many rows of the file")
+
+class SourceFields(Section):
+    """Which columns of a one-turn row to read, where the layout is ambiguous or unusual (LeetCodeDataset's prompt
+    is ``query``; its ``prompt`` column is an import header). Overrides the source's format."""
+
+    prompt: str = Field(description="the column holding the user turn")
+    response: str | None = Field(None, description="the column holding the reply (kept when generate is off)")
+    system: str | None = Field(None, description="the column holding a system prompt")
+
+
+class SourceConfig(Section):
+    """One input file of conversations or prompts, and how much of it the mix takes."""
+
+    path: str = Field(description="a .json/.jsonl/.parquet/.csv/.tsv file, gzip/bz2/xz-compressed or not (told by "
+                                   "content), a local `datasets` folder or data files (loaded with the `datasets` "
+                                   "library), or 'hub:<name>' for a Hugging Face Hub dataset")
+    format: FORMATS = "auto"
+    fields: SourceFields | None = Field(None, description="columns to read (prompt, response, system) instead of "
+                                                          "the format's own")
+    max_rows: int | None = Field(None, ge=1, description="read at most this many rows of the file (its first rows)")
+    max_conversations: int | None = Field(
+        None, ge=1, description="mix cap: keep at most this many of the source's conversations, a seeded random "
+        "choice (prepare.seed) made after de-duplication and decontamination")
+    max_tokens: int | None = Field(
+        None, ge=1, description="mix cap: keep the source's conversations, in a seeded random order, while their "
+        "turn-text tokens (the target's tokenizer) stay within this budget")
+    weight: float | None = Field(
+        None, gt=0.0, le=1.0, description="mix weight: keep this share of the source's conversations (seeded "
+        "random choice); applied before the caps")
     split: str = Field("train", description="`datasets` sources only: the split to read")
     subset: str | None = Field(None, description="`datasets` sources only: the configuration (subset) name")
+
+
+class DecontaminateConfig(Section):
+    """prepare.decontaminate: training rows that share a word n-gram with an evaluation prompt are dropped and
+    counted per source (the n-gram overlap test of GPT-3's contamination study, arXiv 2005.14165 appendix C)."""
+
+    sets: list[SourceConfig] = Field(description="evaluation prompt files (read like sources: MT-bench, HumanEval, "
+                                                 "GSM8K test, any prompts)")
+    ngram: int = Field(13, ge=3, description="words per n-gram; an evaluation text shorter than this is matched "
+                                             "as a whole (normalised)")
+
+
+class NearDuplicatesConfig(Section):
+    """prepare.near_duplicates: conversations whose user text is nearly the same as an earlier one's (MinHash LSH,
+    datasketch) are dropped and counted; the first in source order is kept."""
+
+    threshold: float = Field(0.8, gt=0.0, le=1.0, description="estimated Jaccard similarity of word 3-gram sets at "
+                                                              "or above which two conversations are near-duplicates")
+    num_perm: int = Field(128, ge=16, description="MinHash permutations (accuracy against time)")
 
 
 class SelfPromptsConfig(Section):
@@ -67,6 +110,11 @@ class SelfPromptsConfig(Section):
     max_tokens: int = Field(256, ge=8, description="a prompt not ended by the end-of-turn token by then is dropped")
     seed: int = 0
     batch_size: int | None = Field(None, ge=1, description="engine slots (null: 1024 on a GPU, 16 on the CPU)")
+    min_chars: int = Field(8, ge=1, description="a shorter prompt is dropped (counted)")
+    max_chars: int | None = Field(None, ge=1, description="a longer prompt is dropped (counted)")
+    languages: list[str] | None = Field(
+        None, description="keep only prompts detected in these languages (ISO 639-1 codes, e.g. [en]; langdetect, "
+        "seeded); null: any language")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="arguments to the chat template when it renders the text before a user "
                                           "turn (usually none: they change the assistant side)")
@@ -78,8 +126,15 @@ class PrepareConfig(Section):
     sources: list[SourceConfig] = Field(default_factory=list, description="dataset files (at least one source, or "
                                                                          "self_prompts)")
     max_samples: int | None = Field(None, ge=1, description="keep at most this many conversations in total")
+    seed: int = Field(0, description="seed of the mix's random choices (sources' weight, max_conversations, "
+                                     "max_tokens)")
     self_prompts: SelfPromptsConfig | None = Field(
         None, description="also prompts the target writes itself (needs the target's weights; a GPU for many)")
+    decontaminate: DecontaminateConfig | None = Field(
+        None, description="drop training rows that overlap these evaluation sets (word n-grams)")
+    near_duplicates: NearDuplicatesConfig | None = Field(
+        None, description="drop conversations nearly the same as an earlier one (MinHash LSH); exact repeats are "
+                          "always dropped")
 
     @model_validator(mode="after")
     def _something_to_read(self) -> "PrepareConfig":
@@ -125,6 +180,10 @@ class GenerateConfig(Section):
         "are cut there anyway), no limit for the openai backend"
     )
     seed: int = 0
+    reuse_from: list[str] = Field(
+        default_factory=list, description="run folders whose generate stage ran with the same target and generate "
+        "settings: conversations with the same sample id take their replies from there instead of being generated "
+        "again (a re-mixed dataset costs only its new conversations); other settings are refused, naming them")
     openai: OpenAIServerConfig = Field(default_factory=OpenAIServerConfig,
                                        description="backend 'openai' only: the server and how to talk to it")
 
@@ -269,7 +328,7 @@ class BenchmarkSet(Section):
 
     name: str
     path: str
-    format: Literal["auto", "sharegpt", "openai", "prompts", "alpaca", "gsm8k", "mt_bench", "ultrachat"] = "auto"
+    format: FORMATS = "auto"
     max_prompts: int | None = Field(None, ge=1)
     turns: Literal["first", "all"] = Field("all", description="'first': only the first user turn")
 
@@ -289,8 +348,14 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     max_prompts: int | None = Field(None, ge=1)
     check_lossless: bool = Field(True, description="compare with the target's own greedy output")
-    baseline: bool = Field(True, description="also measure prompt-lookup (n-gram) drafting, which needs no "
-                           "training, on the same prompts (greedy; vLLM's 'ngram' method with the vllm engine)")
+    baseline: list[Literal["ngram", "suffix"]] = Field(
+        default_factory=lambda: ["ngram"], description="drafting that needs no training, measured on the same prompts: "
+        "'ngram' (prompt lookup, greedy; vLLM's 'ngram' method with the vllm engine), 'suffix' (suffix decoding, "
+        "vLLM's 'suffix' method with arctic-inference; engine vllm only); []: none")
+    category_field: str | None = Field("category", description="the row field naming a prompt's category (MT-bench's "
+                                       "eight): acceptance is also reported per category of each set; null: off")
+    ngram_margin: float = Field(1.2, gt=0.0, description="the summary names the categories where the drafter's "
+                                "tokens per target step are below this multiple of n-gram lookup's")
 
 
 class RunConfig(Section):

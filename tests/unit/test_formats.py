@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eyas.config import SourceConfig
+from eyas.config import SourceConfig, SourceFields
 from eyas.data.formats import load_source
 from eyas.errors import DataError
 from eyas.records import SkipCounter
@@ -21,9 +21,15 @@ def _first_row(path, pred):
     return next(r for r in rows if pred(r))
 
 
+# A layout Eyas cannot tell alone: LeetCodeDataset rows hold `prompt` (an import header) and `query` (the problem)
+MAPPED = {"leetcode_train.jsonl.gz": SourceFields(prompt="query", response="response")}
+
+
 def test_every_training_file_loads_and_counts_add_up(shared):
     for path in sorted((shared / "data" / "train").iterdir()):
-        convs, skips, stats = _load(path, max_rows=300)
+        skips, stats = SkipCounter(), {}
+        convs = list(load_source(SourceConfig(path=str(path), max_rows=300, fields=MAPPED.get(path.name)), skips,
+                                 stats))
         assert stats["rows_read"] == stats["rows_kept"] + stats["rows_skipped"], path
         assert stats["rows_kept"] == len(convs) > 0, path
         for c in convs:
@@ -268,3 +274,99 @@ def test_more_bad_input(tmp_path):
     (tmp_path / "x.xml").write_text("<a/>")
     with pytest.raises(DataError, match="unknown file type '.xml'"):
         _load(tmp_path / "x.xml")
+
+
+# ---------------------------------------------------------------------------- the layouts of the nine new files
+def test_each_new_layout_reads_by_content_with_its_turns(shared):
+    train = shared / "data" / "train"
+    expect = {  # file -> (rows it holds, roles of the first conversation)
+        "gpteacher_codegen.json": (4535, ["user", "assistant"]),     # alpaca with `response`
+        "gpteacher_roleplay.json": (1923, ["user", "assistant"]),
+        "evol_code_r1.json": (1966, ["user", "assistant"]),          # alpaca without `input`
+        "mbpp_train.jsonl": (473, ["user"]),                         # `text` is the prompt
+        "awesome_chatgpt_prompts.csv": (1524, ["user"]),             # CSV, `prompt` column, fields up to 170 KB
+        "oasst_prompts_350.jsonl": (350, ["user"]),                  # a bare JSON string per line
+        "mtbench101.jsonl": (1388, None),                            # `history` of {user, bot} pairs
+    }
+    for name, (rows, roles) in expect.items():
+        convs, skips, stats = _load(train / name)
+        assert stats["rows_read"] == rows == stats["rows_kept"] + stats["rows_skipped"], name
+        assert stats["rows_kept"] >= rows - 5, (name, stats["skipped_by_reason"])
+        if roles:
+            assert [m.role for m in convs[0].messages] == roles, name
+    gpteacher = json.loads((train / "gpteacher_codegen.json").read_text())[0]
+    conv = _load(train / "gpteacher_codegen.json", max_rows=1)[0][0]
+    assert conv.messages[1].content == gpteacher["response"]
+    assert conv.messages[0].content == f"{gpteacher['instruction']}\n\n{gpteacher['input']}"
+
+
+def test_history_pairs_become_alternating_turns(shared):
+    src = shared / "data" / "train" / "mtbench101.jsonl"
+    rows = [json.loads(x) for x in src.open()]
+    convs, _, stats = _load(src)
+    assert stats["rows_kept"] == len(convs) >= len(rows) - 2
+    by_row = {c.source: c for c in convs}
+    row = next(r for r in rows if len(r["history"]) >= 3)
+    i = rows.index(row) + 1
+    conv = by_row[f"{src}:{i}"]
+    want = [x for pair in row["history"] for x in (("user", pair["user"]), ("assistant", pair["bot"]))]
+    assert [(m.role, m.content) for m in conv.messages] == want
+    assert sum(len(r["history"]) for r in rows) == 4208        # SOURCES.md: 4,208 user turns
+
+
+def test_gzip_is_told_by_content_not_name(shared, tmp_path):
+    import gzip
+
+    src = shared / "data" / "train" / "gsm8k_train.jsonl"
+    ref, _, _ = _load(src, max_rows=20)
+    blob = gzip.compress(b"".join(src.open("rb").readlines()[:20]))
+    for name in ("g.jsonl.gz", "g.jsonl", "g.gz", "g"):     # a gzipped file named as plain, and one with no suffix
+        (tmp_path / name).write_bytes(blob)
+        got, _, st = _load(tmp_path / name)
+        assert [c.id for c in got] == [c.id for c in ref] and st["rows_read"] == 20, name
+        assert got[3].source == f"{tmp_path / name}:4"      # lines still located
+    import bz2
+    import lzma
+    for mod, name in ((bz2, "g.json.bz2"), (lzma, "g.json.xz")):   # a JSON list, compressed two more ways
+        rows = [json.loads(x) for x in src.open().readlines()[:20]]
+        (tmp_path / name).write_bytes(mod.compress(json.dumps(rows).encode()))
+        got, _, _ = _load(tmp_path / name)
+        assert [c.id for c in got] == [c.id for c in ref], name
+    # the shared gzipped LeetCode file, read with its mapping
+    convs, _, st = _load_mapped(shared / "data" / "train" / "leetcode_train.jsonl.gz", prompt="query")
+    assert st["rows_read"] == 1890 and convs[0].messages[0].content.startswith("Given an array of integers")
+
+
+def _load_mapped(path, **fields):
+    skips, stats = SkipCounter(), {}
+    convs = list(load_source(SourceConfig(path=str(path), fields=SourceFields(**fields)), skips, stats))
+    return convs, skips, stats
+
+
+def test_ambiguous_layout_is_an_error_naming_file_row_and_columns(shared):
+    path = shared / "data" / "train" / "leetcode_train.jsonl.gz"
+    with pytest.raises(DataError) as e:
+        _load(path)
+    msg = str(e.value)
+    assert f"{path}:1:" in msg and "'prompt'" in msg and "'query'" in msg and "fields.prompt" in msg
+    assert "columns found" in msg and "'completion'" in msg
+
+
+def test_field_mapping_reads_named_columns_and_counts_missing(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps({"q": "What is 2+2?", "a": "4", "sys": "Be brief."}) + "\n"
+                 + json.dumps({"a": "no prompt here"}) + "\n")
+    convs, skips, stats = _load_mapped(p, prompt="q", response="a", system="sys")
+    assert [(m.role, m.content) for m in convs[0].messages] == [("system", "Be brief."), ("user", "What is 2+2?"),
+                                                                 ("assistant", "4")]
+    assert stats["rows_skipped"] == 1 and skips.examples["missing field 'q'"][0]["where"] == f"{p}:2"
+
+
+def test_csv_rows_keep_their_line_and_long_fields(tmp_path):
+    p = tmp_path / "x.csv"
+    long = "word " * 40000                                  # 200 KB: over the csv module's default field limit
+    p.write_text('act,prompt\nA,"first\nspans two lines"\nB,' + long + "\nC\n", encoding="utf-8")
+    convs, skips, stats = _load(p)
+    assert [c.source for c in convs] == [f"{p}:2", f"{p}:4"]
+    assert convs[0].messages[0].content == "first\nspans two lines" and len(convs[1].messages[0].content) == len(long)
+    assert stats["rows_skipped"] == 1                     # row C: no prompt value

@@ -57,21 +57,99 @@ class RawRow:
     data: object
 
 
-def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:
-    """Yield raw rows of a JSON, JSONL or parquet file; a malformed JSONL line yields a skip record instead.
+# Compression is told by the file's first bytes, never by its name (a '.json' that is gzipped, a '.gz' that is not).
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+_COMPRESSED_SUFFIXES = (".gz", ".gzip", ".bz2", ".xz", ".zst")
+DIRECT = (".json", ".jsonl", ".ndjson", ".parquet", ".csv", ".tsv")  # read here; the rest through `datasets`
 
-    Raises :class:`DataError` for a missing file, an unknown extension, or a JSON/parquet file that cannot be
-    parsed as a whole.
+
+def compression_of(path: Path) -> str | None:
+    """``gzip``, ``bz2``, ``xz`` or ``zstd`` from the file's magic bytes; None for an uncompressed file."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+
+
+def _open_bytes(path: Path, compression: str | None):
+    """A binary stream of the file's content, decompressed; zstd is refused with what to do (the standard library
+    reads it only from Python 3.14)."""
+    import bz2
+    import gzip
+    import lzma
+
+    if compression == "zstd":
+        raise DataError(f"{path}: zstd-compressed; decompress it (zstd -d) or recompress with gzip, bz2 or xz")
+    opener = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open}.get(compression, open)
+    return opener(path, "rb")
+
+
+def file_kind(path: Path) -> str:
+    """How a file's rows are read: ``json``, ``jsonl``, ``parquet``, ``csv``, ``tsv`` or ``datasets``.
+
+    Compression is told by magic bytes, whatever the name says (a gzipped ``x.jsonl`` is read, a ``.gz`` suffix
+    is dropped before the name is read), parquet by its ``PAR1`` magic; then the name's suffix (``.json``,
+    ``.jsonl``/``.ndjson``, ``.csv``, ``.tsv``) decides; a file whose name tells nothing (no suffix, or ``x.gz``)
+    is told by its first non-blank character: '[' is a JSON list of rows, '{' or '"' JSON Lines unless its first
+    line alone does not parse (one pretty-printed object: JSON). Other suffixes (``.arrow``, ``.txt``) and folders
+    go to the ``datasets`` library.
+    Raises :class:`DataError` for a file whose content matches no known layout."""
+    if path.is_dir():
+        return "datasets"
+    comp = compression_of(path)
+    name = path.name.lower()
+    if comp is not None:
+        for suffix in _COMPRESSED_SUFFIXES:
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+                break
+    suffix = Path(name).suffix
+    named = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl",
+             ".parquet": "parquet"}.get(suffix)
+    with _open_bytes(path, comp) as f:
+        head = f.read(1 << 16)
+    if head.startswith(b"PAR1"):
+        if comp is not None:
+            raise DataError(f"{path}: a compressed parquet file; decompress it first (parquet compresses its "
+                            f"columns itself)")
+        return "parquet"
+    if named is not None:
+        return named
+    if comp is None and suffix:
+        return "datasets"
+    first = head.lstrip()[:1]
+    if first == b"[":
+        return "json"
+    if first in (b"{", b'"'):
+        line = head.lstrip().split(b"\n", 1)[0]
+        try:
+            json.loads(line)
+            return "jsonl"
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "json"
+    if not first:
+        return "jsonl"  # empty: no rows
+    raise DataError(f"{path}: cannot tell how to read it: not JSON ('[' or '{{' first), JSON Lines, parquet or CSV "
+                    f"(starts with {head[:20]!r}); name it .csv/.tsv for delimited text")
+
+
+def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:
+    """Yield raw rows of a JSON, JSON Lines, parquet, CSV or TSV file, compressed (gzip, bz2, xz) or not
+    (:func:`file_kind` says how it is read); other files and folders go through :func:`read_dataset_rows`.
+    A malformed JSONL line yields a skip record instead of a row.
+
+    Raises :class:`DataError` for a missing file, a file whose layout cannot be told, or a JSON/parquet file that
+    cannot be parsed as a whole.
     """
     if not path.exists():
         raise DataError(f"{path}: file not found")
-    suffix = path.suffix.lower()
-    n = 0
-    if path.is_dir() or suffix not in (".json", ".jsonl", ".parquet"):
+    kind = file_kind(path)
+    if kind == "datasets":
         yield from read_dataset_rows(str(path), max_rows=max_rows)
         return
-    if suffix == ".jsonl":
-        with open(path, "rb") as f:
+    comp = compression_of(path)
+    n = 0
+    if kind == "jsonl":
+        with _open_bytes(path, comp) as f:
             for lineno, raw in enumerate(f, 1):
                 if max_rows is not None and n >= max_rows:
                     return
@@ -88,9 +166,11 @@ def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow 
                     yield RawRow(where, json.loads(line)), None
                 except json.JSONDecodeError as e:
                     yield None, SkipRecord(where, f"malformed JSON ({e.msg})")
-    elif suffix == ".json":
+    elif kind == "json":
+        with _open_bytes(path, comp) as f:
+            blob = f.read()
         try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
+            data = json.loads(blob.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: invalid UTF-8 at byte {e.start}") from None
         except json.JSONDecodeError as e:
@@ -101,7 +181,9 @@ def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow 
             raise DataError(f"{path}: a .json dataset must be a list of rows (got {type(data).__name__})")
         for i, row in enumerate(data[:max_rows] if max_rows else data, 1):
             yield RawRow(f"{path}:row {i}", row), None
-    elif suffix == ".parquet":
+    elif kind in ("csv", "tsv"):
+        yield from _read_delimited(path, comp, "\t" if kind == "tsv" else ",", max_rows)
+    elif kind == "parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -114,6 +196,36 @@ def read_rows(path: Path, max_rows: int | None = None) -> Iterator[tuple[RawRow 
             table = table.slice(0, max_rows)
         for i, row in enumerate(table.to_pylist(), 1):
             yield RawRow(f"{path}:row {i}", row), None
+
+
+def _read_delimited(path: Path, comp: str | None, delimiter: str, max_rows: int | None
+                    ) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:
+    """Rows of a CSV/TSV file with a header line (the standard library's ``csv``), as ``{column: str}``, each
+    located at ``file:line`` of the line where its record starts (a quoted field may span lines). A record with
+    more fields than the header is skipped and counted. Fields are not size-limited (prompts can be long)."""
+    import csv
+    import io
+
+    csv.field_size_limit(1 << 30)
+    with _open_bytes(path, comp) as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+        reader = csv.DictReader(text, delimiter=delimiter)
+        n, line = 0, 2
+        try:
+            for row in reader:
+                if max_rows is not None and n >= max_rows:
+                    return
+                n += 1
+                where = f"{path}:{line}"
+                line = reader.line_num + 1
+                if None in row:
+                    yield None, SkipRecord(where, f"more fields than the header's {len(reader.fieldnames)}")
+                    continue
+                yield RawRow(where, row), None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: invalid UTF-8 near line {line} (byte {e.start} of a read block)") from None
+        except csv.Error as e:
+            raise DataError(f"{path}:{line}: unreadable {delimiter!r}-delimited text ({e})") from None
 
 
 def read_dataset_rows(
@@ -174,15 +286,27 @@ def detect_format(row: object) -> str | None:
         return "openai"
     if "data" in row and isinstance(row.get("data"), list):
         return "ultrachat"
+    if "history" in row and isinstance(row.get("history"), list):
+        return "history"
     if "instruction" in row:
         return "alpaca"
     if "question" in row and "answer" in row:
         return "gsm8k"
     if "turns" in row:
         return "mt_bench"
-    if "prompt" in row or "text" in row:
+    if any(k in row for k in PROMPT_FIELDS):
         return "prompts"
     return None
+
+
+# Columns that hold a one-turn row's prompt in the layouts users bring (``prompt``: awesome-chatgpt-prompts;
+# ``text``: MBPP; ``query``: LeetCodeDataset). A row with more than one of them is ambiguous (LeetCodeDataset's
+# ``prompt`` is its import header, its ``query`` the problem): the source must name the column (``fields.prompt``).
+PROMPT_FIELDS = ("prompt", "text", "query")
+# Alpaca-style replies: ``output`` (Alpaca, Evol-Instruct) or ``response`` (GPTeacher).
+REPLY_FIELDS = ("output", "response")
+# MT-Bench-101 style ``history`` pairs: the user's and the assistant's key of one exchange.
+HISTORY_PAIRS = (("user", "bot"), ("user", "assistant"), ("human", "gpt"), ("human", "assistant"))
 
 
 class RowError(Exception):
@@ -250,17 +374,59 @@ def _turn_list(row: dict, key: str) -> list[tuple[str, str]]:
     return out
 
 
-def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
-    """Convert one raw row of format ``fmt`` into a list of ``(role, text)`` turns (roles already normalised)."""
+class AmbiguousRow(Exception):
+    """A row whose layout fits more than one reading: the source must say which (an error, not a skip: every row of
+    the file would be read the same wrong way)."""
+
+
+def _one_of(row: dict, keys: tuple[str, ...], what: str, setting: str) -> str | None:
+    """The single key of ``keys`` present in ``row``; None when none is; :class:`AmbiguousRow` when several are."""
+    found = [k for k in keys if k in row and row[k] is not None]
+    if len(found) > 1:
+        raise AmbiguousRow(f"columns {found} could each be the {what}; name the one to read with the source's "
+                           f"{setting} (columns found: {sorted(row)})")
+    return found[0] if found else None
+
+
+def _mapped_turns(row: object, fields) -> list[tuple[str, str]]:
+    """A row read through the source's field mapping (``SourceConfig.fields``): system, prompt and reply columns."""
+    if not isinstance(row, dict):
+        raise RowError(f"row is {type(row).__name__}, expected an object with column '{fields.prompt}'")
+    turns = []
+    if fields.system:
+        system = _str_field(row, fields.system, required=False)
+        if system.strip():
+            turns.append(("system", system))
+    turns.append(("user", _str_field(row, fields.prompt)))
+    if fields.response:
+        reply = _str_field(row, fields.response, required=False)
+        if reply:
+            turns.append(("assistant", reply))
+    return turns
+
+
+def row_to_turns(row: object, fmt: str, fields=None) -> list[tuple[str, str]]:
+    """Convert one raw row of format ``fmt`` into a list of ``(role, text)`` turns (roles already normalised).
+
+    ``fields`` (:class:`~eyas.config.SourceFields`) names the prompt, reply and system columns and overrides the
+    format. Raises :class:`RowError` (a counted skip) for a row that lacks what its format needs and
+    :class:`AmbiguousRow` for a row that fits two readings (several prompt or reply columns)."""
+    if fields is not None:
+        return _mapped_turns(row, fields)
     if fmt == "prompts":
         if isinstance(row, str):
             return [("user", row)]
         if not isinstance(row, dict):
             raise RowError(f"row is {type(row).__name__}, expected an object or a string")
-        key = "prompt" if "prompt" in row else "text"
+        key = _one_of(row, PROMPT_FIELDS, "prompt", "fields.prompt")
+        if key is None:
+            raise RowError(f"none of the prompt columns {list(PROMPT_FIELDS)} (columns found: {sorted(row)}); name "
+                           f"the prompt column with the source's fields.prompt", "")
         return [("user", _str_field(row, key))]
     if not isinstance(row, dict):
         raise RowError(f"row is {type(row).__name__}, expected an object")
+    if fmt == "history":
+        return _history_turns(row)
     if fmt == "sharegpt":
         return _turn_list(row, "conversations")
     if fmt == "openai":
@@ -275,7 +441,8 @@ def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
     if fmt == "alpaca":
         instr = _str_field(row, "instruction")
         inp = _str_field(row, "input", required=False)
-        out = _str_field(row, "output", required=False)
+        reply_key = _one_of(row, REPLY_FIELDS, "reply", "fields.response")
+        out = _str_field(row, reply_key, required=False) if reply_key else ""
         turns = [("user", f"{instr}\n\n{inp}" if inp.strip() else instr)]
         if out:
             turns.append(("assistant", out))
@@ -289,6 +456,27 @@ def row_to_turns(row: object, fmt: str) -> list[tuple[str, str]]:
         # MT-bench rows hold user turns only; a placeholder-free conversation: the assistant replies come from generate.
         return [("user", t) for t in turns]
     raise RowError(f"unknown format '{fmt}'")
+
+
+def _history_turns(row: dict) -> list[tuple[str, str]]:
+    """``{"history": [{"user": str, "bot": str}, ...]}`` (MT-Bench-101): each exchange a user turn and its reply
+    (``HISTORY_PAIRS`` gives the accepted key pairs; a missing or empty reply is left for generate to write)."""
+    hist = row["history"]
+    out = []
+    for j, pair in enumerate(hist):
+        if not isinstance(pair, dict):
+            raise RowError(f"history[{j}] is {type(pair).__name__}, expected an object", f"history[{j}]")
+        keys = next(((u, a) for u, a in HISTORY_PAIRS if u in pair and a in pair), None) or next(
+            ((u, a) for u, a in HISTORY_PAIRS if u in pair), None)
+        if keys is None:
+            raise RowError(f"history[{j}] has none of the user keys {sorted({u for u, _ in HISTORY_PAIRS})} "
+                           f"(keys found: {sorted(pair)})", f"history[{j}]")
+        user_key, bot_key = keys
+        out.append(("user", _text_of(pair.get(user_key), f"history[{j}].{user_key}")))
+        reply = _text_of(pair.get(bot_key), f"history[{j}].{bot_key}")
+        if reply:
+            out.append(("assistant", reply))
+    return out
 
 
 def is_blank(text: str) -> bool:
@@ -343,7 +531,7 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
         rows = read_dataset_rows(src.path, src.split, src.subset, src.max_rows)
     else:
         path = resolve_path(src.path)
-        if path.exists() and (path.is_dir() or path.suffix.lower() not in (".json", ".jsonl", ".parquet")):
+        if path.exists() and file_kind(path) == "datasets":
             rows = read_dataset_rows(str(path), src.split, src.subset, src.max_rows)
         else:
             rows = read_rows(path, src.max_rows)
@@ -354,12 +542,14 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
             continue
         fmt = src.format if src.format != "auto" else detect_format(raw.data)
         try:
-            if fmt is None:
+            if fmt is None and src.fields is None:
                 keys = sorted(raw.data) if isinstance(raw.data, dict) else type(raw.data).__name__
                 # One reason for every such row (counted together); the row's own fields go to the record's field.
                 raise RowError("cannot tell the format from the row's fields; set format in the source",
                                f"fields {keys}" if isinstance(raw.data, dict) else "")
-            turns = row_to_turns(raw.data, fmt)
+            turns = row_to_turns(raw.data, fmt, src.fields)
+        except AmbiguousRow as e:
+            raise DataError(f"{raw.where}: {e}") from None
         except RowError as e:
             skip_row(SkipRecord(raw.where, e.reason, e.field))
             continue

@@ -20,8 +20,10 @@ truncations. That is why prepare depends on the ``target`` section.
 from __future__ import annotations
 
 import math
+import time
 
 from ..data.formats import load_source
+from ..data.mix import NearDuplicateFilter, NgramIndex, choose, language_filter
 from ..errors import DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
@@ -33,6 +35,9 @@ READS = ("prepare", "target")  # target: its tokenizer counts the report's token
 INPUTS = ()
 
 DUPLICATE = "duplicate conversation (same sample id)"
+CONTAMINATED = "overlaps an evaluation prompt (prepare.decontaminate)"
+NEAR_DUPLICATE = "near-duplicate of an earlier conversation (prepare.near_duplicates)"
+MIX = "left out by the source's weight or caps (the mix)"
 SELF = "self-prompts (written by the target)"
 OVER_MAX = "over prepare.max_samples"
 
@@ -51,15 +56,31 @@ def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
     gen = GenerateConfig(max_new_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
                          batch_size=sp.batch_size)
     engine = make_engine(target.model, target.tokenizer, gen, prompt_limit=512, log=ctx.log)
+    t0 = time.perf_counter()
     prompts, st = sample_self_prompts(engine, target.tokenizer, sp.count, max_tokens=sp.max_tokens,
-                                      chat_template_kwargs=sp.chat_template_kwargs or None)
+                                      chat_template_kwargs=sp.chat_template_kwargs or None, min_chars=sp.min_chars)
+    seconds = time.perf_counter() - t0
+    too_long = lang_out = 0
+    if sp.max_chars is not None:
+        too_long = sum(len(p) > sp.max_chars for p in prompts)
+        prompts = [p for p in prompts if len(p) <= sp.max_chars]
+    if sp.languages:
+        keep = language_filter(prompts, set(sp.languages), seed=sp.seed)
+        lang_out = len(prompts) - sum(keep)
+        prompts = [p for p, k in zip(prompts, keep) if k]
     dropped = {f"not ended within prepare.self_prompts.max_tokens ({sp.max_tokens})": st.cut,
-               "empty or shorter than 8 characters": st.empty, "repeats an earlier self-prompt": st.repeated}
+               f"empty or shorter than {sp.min_chars} characters": st.empty,
+               "repeats an earlier self-prompt": st.repeated,
+               f"longer than prepare.self_prompts.max_chars ({sp.max_chars})": too_long,
+               f"not in prepare.self_prompts.languages {sp.languages}": lang_out}
     for reason, n in dropped.items():
         for _ in range(n):
             skips.add(SkipRecord("self-prompts", reason))
-    stats.update(rows_read=st.asked, rows_kept=st.kept, rows_skipped=st.asked - st.kept,
-                 skipped_by_reason={r: n for r, n in dropped.items() if n})
+    stats.update(rows_read=st.asked, rows_kept=len(prompts), rows_skipped=st.asked - len(prompts),
+                 skipped_by_reason={r: n for r, n in dropped.items() if n}, seconds=round(seconds, 2),
+                 prompts_per_minute=round(st.kept / seconds * 60, 1) if seconds > 0 else None)
+    ctx.log(f"[eyas] prepare: self-prompts: {st.asked} asked, {st.kept} ended and distinct in {seconds:.1f} s "
+            f"({stats['prompts_per_minute']} a minute), {len(prompts)} kept after the length and language filters")
     for i, text in enumerate(prompts, 1):
         msgs = [Message("user", text)]
         yield Conversation(id=Conversation.make_id(msgs), messages=msgs, source=f"self-prompts:{i}")
@@ -76,22 +97,49 @@ def run(ctx: RunContext) -> PrepareSummary:
     per_source = []
     lengths: dict[str, list[int]] = {}
     kept = duplicates = 0
-    readers = [(src.path, src.format, lambda sk, st, src=src: load_source(src, sk, st)) for src in cfg.sources]
+    decon = _eval_index(cfg.decontaminate, ctx) if cfg.decontaminate else None
+    near = NearDuplicateFilter(cfg.near_duplicates.threshold, cfg.near_duplicates.num_perm) \
+        if cfg.near_duplicates else None
+    readers = [(src.path, src.format, src, lambda sk, st, src=src: load_source(src, sk, st)) for src in cfg.sources]
     if cfg.self_prompts is not None:
-        readers.append((SELF, "self", lambda sk, st: _self_prompts(ctx, sk, st)))
+        readers.append((SELF, "self", None, lambda sk, st: _self_prompts(ctx, sk, st)))
     with JsonlAppender(out, fsync_every=1 << 30) as w:
-        for path, fmt, read in readers:
+        for path, fmt, src, read in readers:
             stats: dict = {}
             src_skips = SkipCounter()
-            written: list[Conversation] = []
+            candidates: list[Conversation] = []
             for conv in read(src_skips, stats):
-                reason = DUPLICATE if conv.id in seen else (
-                    OVER_MAX if cfg.max_samples is not None and kept >= cfg.max_samples else None)
+                reason = None
+                if conv.id in seen:
+                    reason = DUPLICATE
+                    duplicates += 1
+                elif decon is not None and (hit := decon.match(
+                        m.content for m in conv.messages if m.role != "assistant")) is not None:
+                    reason = f"{CONTAMINATED} ({hit[0]})"
+                    src_skips.add(SkipRecord(conv.source, reason, f"shares '{hit[1]}'"))
+                elif near is not None and (twin := near.seen(conv.id, _user_text(conv))) is not None:
+                    reason = NEAR_DUPLICATE
+                    src_skips.add(SkipRecord(conv.source, reason, f"like {twin}"))
                 if reason is not None:
-                    duplicates += reason == DUPLICATE
-                    _skip_kept_row(stats, src_skips, SkipRecord(conv.source, reason))
+                    _skip_kept_row(stats, src_skips, SkipRecord(conv.source, reason),
+                                   counted=reason != DUPLICATE)
                     continue
                 seen.add(conv.id)
+                candidates.append(conv)
+            sizes = _token_lengths(tok, candidates) if src is not None and src.max_tokens else None
+            chosen, dropped = choose(len(candidates), seed=cfg.seed, salt=path,
+                                     weight=src.weight if src else None,
+                                     max_items=src.max_conversations if src else None,
+                                     sizes=sizes, max_size=src.max_tokens if src else None)
+            keep = set(chosen)
+            written: list[Conversation] = []
+            for i, conv in enumerate(candidates):
+                reason = None if i in keep else MIX
+                if reason is None and cfg.max_samples is not None and kept >= cfg.max_samples:
+                    reason = OVER_MAX
+                if reason is not None:
+                    _skip_kept_row(stats, src_skips, SkipRecord(conv.source, reason))
+                    continue
                 w.append(conv.to_json())
                 written.append(conv)
                 kept += 1
@@ -102,14 +150,19 @@ def run(ctx: RunContext) -> PrepareSummary:
                 for m in c.messages:
                     by_role[m.role] = by_role.get(m.role, 0) + 1
             lengths[path] = _token_lengths(tok, written)
-            per_source.append({
+            entry = {
                 "path": path, "format": fmt,
                 "rows_read": stats["rows_read"], "rows_kept": stats["rows_kept"],
                 "rows_skipped": stats["rows_skipped"], "skipped_by_reason": stats["skipped_by_reason"],
                 "turns": sum(by_role.values()), "turns_by_role": by_role,
                 "turn_changes": {r: n for r, n in sorted(src_skips.counts.items()) if r not in row_reasons},
                 "token_lengths": _summary(lengths[path]),
-            })
+            }
+            if dropped:
+                entry["mix_dropped"] = dropped
+            if "seconds" in stats:
+                entry["self_prompts"] = {k: stats[k] for k in ("seconds", "prompts_per_minute")}
+            per_source.append(entry)
             ctx.log(
                 f"[eyas] prepare: {path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
                 f"{stats['rows_skipped']} skipped"
@@ -118,6 +171,7 @@ def run(ctx: RunContext) -> PrepareSummary:
     all_lengths = [n for v in lengths.values() for n in v]
     png = ctx.run.token_lengths_png
     plotted = _plot_histogram(lengths, png, str(tok.name_or_path), ctx)
+    mix = mix_table(per_source)
     report = {
         "samples": kept,
         "duplicates": duplicates,
@@ -125,12 +179,16 @@ def run(ctx: RunContext) -> PrepareSummary:
         "token_lengths_counted_with": {"tokenizer": str(tok.name_or_path),
                                        "what": "tokens of each conversation's turn texts, chat template excluded"},
         "token_length_histogram": png.name if plotted else None,
+        "mix": mix,
+        "decontaminated_against": decon.labels if decon is not None else None,
         "sources": per_source,
         "skips": skips.to_json(),
     }
     empty = [s for s in per_source if s["rows_kept"] == 0]
     report["empty_sources"] = [s["path"] for s in empty]
     write_json_atomic(ctx.run.prepare_report, report)
+    ctx.log("[eyas] prepare: the mix training will see (conversations, user turns, turn-text tokens):\n"
+            + format_mix(mix))
     if skips.total:
         top = ", ".join(f"{n} x {r}" for r, n in sorted(skips.counts.items(), key=lambda x: -x[1])[:5])
         ctx.log(f"[eyas] prepare: {skips.total} skips/merges ({top}); details in {ctx.run.prepare_report}")
@@ -144,6 +202,49 @@ def run(ctx: RunContext) -> PrepareSummary:
                           tokens=sum(all_lengths))
 
 
+def _user_text(conv: Conversation) -> str:
+    """What near-duplicate removal compares: the conversation's user turns, in order."""
+    return "\n".join(m.content for m in conv.messages if m.role == "user")
+
+
+def _eval_index(dc, ctx: RunContext) -> NgramIndex:
+    """The prompts (user and system turns) of every row of ``prepare.decontaminate.sets`` in one n-gram index,
+    labelled by file name (``index.labels``: rows read per file). Training rows are matched on their prompts too:
+    their replies are the target's own after generate, not the dataset's."""
+    index = NgramIndex(dc.ngram)
+    for src in dc.sets:
+        label = src.path.rsplit("/", 1)[-1]
+        n = 0
+        for conv in load_source(src, SkipCounter(), {}):
+            for m in conv.messages:
+                if m.role != "assistant":  # the prompts: a set's reference answers are not what it asks
+                    index.add(m.content, label)
+            n += 1
+        index.labels[label] = index.labels.get(label, 0) + n
+        ctx.log(f"[eyas] prepare: decontaminating against {src.path} ({n} rows, {dc.ngram}-word n-grams)")
+    return index
+
+
+def mix_table(per_source: list[dict]) -> list[dict]:
+    """Per source: conversations, user turns and turn-text tokens kept, each with its share of the whole."""
+    rows = [{"source": s["path"], "conversations": s["rows_kept"], "user_turns": s["turns_by_role"].get("user", 0),
+             "tokens": s["token_lengths"].get("total", 0)} for s in per_source]
+    for key in ("conversations", "user_turns", "tokens"):
+        total = sum(r[key] for r in rows) or 1
+        for r in rows:
+            r[f"{key}_share"] = round(r[key] / total, 4)
+    return rows
+
+
+def format_mix(mix: list[dict]) -> str:
+    width = max([len(r["source"].rsplit("/", 1)[-1]) for r in mix] + [6])
+    lines = [f"  {'source':<{width}} {'conversations':>15} {'user turns':>15} {'tokens':>17}"]
+    for r in mix:
+        lines.append(f"  {r['source'].rsplit('/', 1)[-1]:<{width}} {r['conversations']:>8,} {r['conversations_share']:>6.1%} "
+                     f"{r['user_turns']:>8,} {r['user_turns_share']:>6.1%} {r['tokens']:>10,} {r['tokens_share']:>6.1%}")
+    return "\n".join(lines)
+
+
 def source_counts(s: dict) -> str:
     """One source's line of the report: path, rows read, kept, skipped, and the skip reasons with their counts."""
     if s["rows_read"] == 0:
@@ -153,12 +254,14 @@ def source_counts(s: dict) -> str:
             + (f" ({reasons})" if reasons else ""))
 
 
-def _skip_kept_row(stats: dict, skips: SkipCounter, rec: SkipRecord) -> None:
-    """A row load_source counted as kept is not written after all (duplicate, over max_samples)."""
+def _skip_kept_row(stats: dict, skips: SkipCounter, rec: SkipRecord, counted: bool = False) -> None:
+    """A row load_source counted as kept is not written after all (duplicate, contaminated, near-duplicate, left
+    out by the mix, over max_samples); ``counted``: its skip record is in ``skips`` already."""
     stats["rows_kept"] -= 1
     stats["rows_skipped"] += 1
     stats["skipped_by_reason"][rec.reason] = stats["skipped_by_reason"].get(rec.reason, 0) + 1
-    skips.add(rec)
+    if not counted:
+        skips.add(rec)
 
 
 def _merge(into: SkipCounter, other: SkipCounter) -> None:

@@ -36,6 +36,12 @@ def tokenizer_identity(tok) -> dict:
     }
 
 
+def source_file(source: str | None) -> str:
+    """The source a conversation came from, without its row: ``file:line``, ``file:row N``, ``name[split]:row N``
+    and ``self-prompts:i`` lose their last ``:`` part."""
+    return (source or "unknown").rsplit(":", 1)[0]
+
+
 def with_emitted_tokens(messages, rendered) -> tuple[list[int], list[int], list[int]]:
     """``(input_ids, loss_mask, spliced)``: the rendered conversation with every in-process reply's tokens inside it
     (``rendered.reply_tokens``) replaced by the ids the target emitted (``Message.token_ids``) where they differ;
@@ -74,6 +80,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
     whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
     emitted_kept = SkipCounter()  # replies whose emitted ids replaced their text's tokens
     n = tokens = trained = truncated = 0
+    by_source: dict[str, dict[str, int]] = {}  # the mix as training sees it: samples and tokens per source file
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
             if any(m.role == "assistant" and not m.content.strip() for m in c.messages):
@@ -107,12 +114,18 @@ def run(ctx: RunContext) -> TokenizeSummary:
             n += 1
             tokens += len(ids)
             trained += sum(mask)
+            mix = by_source.setdefault(source_file(c.source), {"samples": 0, "tokens": 0, "assistant_tokens": 0})
+            mix["samples"] += 1
+            mix["tokens"] += len(ids)
+            mix["assistant_tokens"] += sum(mask)
     meta = {
         "samples": n, "tokens": tokens, "assistant_tokens": trained, "truncated": truncated,
         "max_length": cfg.max_length, "chat_template_kwargs": cfg.chat_template_kwargs,
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
         "replies_trained_as_emitted": emitted_kept.to_json(),
+        "mix": [{"source": k, **v, "assistant_tokens_share": round(v["assistant_tokens"] / max(trained, 1), 4)}
+                for k, v in by_source.items()],
     }
     write_json_atomic(ctx.run.tokenize_meta, meta)
     if skips.total:
