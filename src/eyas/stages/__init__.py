@@ -63,7 +63,7 @@ _NEUTRAL = {
     "target": {"device", "cache_dir"}, "train": {"device", "log_every", "loader_workers"},
     "extract": {"ignore_disk_space"},
     "generate": {"openai.base_url", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
-                 "openai.max_retries"},
+                 "openai.max_retries", "reuse_from"},  # reuse_from: only runs whose replies are the same are read
 }
 
 
@@ -177,10 +177,11 @@ def fingerprint_values(cfg: RunConfig, stage: str) -> dict:
     return {d: _value(cfg, d) for d in dependencies(stage)}
 
 
-def _diff(old, new, path: str, out: list[str]) -> None:
+def diff_values(old, new, path: str, out: list[str]) -> None:
+    """Append to ``out`` one ``path.key: old -> new`` line per leaf where ``old`` and ``new`` (JSON data) differ."""
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new)):
-            _diff(old.get(k), new.get(k), f"{path}.{k}", out)
+            diff_values(old.get(k), new.get(k), f"{path}.{k}", out)
     elif old != new:
         out.append(f"{path}: {old!r} -> {new!r}")
 
@@ -195,7 +196,7 @@ def changed_fields(run: RunFolder, stage: str, fp: dict, cfg: RunConfig) -> list
         return keys
     old, new, out = read_json(vfile), fingerprint_values(cfg, stage), []
     for k in keys:
-        _diff(old.get(k), new.get(k), k, out)
+        diff_values(old.get(k), new.get(k), k, out)
     return out or keys
 
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..data.chat import render_prompt
 from ..errors import DataError
-from ..io import JsonlAppender, iter_jsonl, repair_jsonl_tail, write_json_atomic
+from ..io import JsonlAppender, iter_jsonl, read_json, repair_jsonl_tail, write_json_atomic
 from ..generation.inprocess import TurnScheduler, make_engine
 from ..records import Conversation, SkipCounter, SkipRecord, read_conversations
 from ..targets.load import load_target, load_tokenizer, materialize_target
@@ -66,7 +66,12 @@ def run(ctx: RunContext) -> dict:
     if out_path.exists():
         repair_jsonl_tail(out_path)  # a crash mid-write leaves at most one torn line: drop it, redo that sample
     done_ids = {d["id"] for _, d in iter_jsonl(out_path)} if out_path.exists() else set()
+    reused = _reuse(ctx, convs, done_ids) if cfg.reuse_from else 0
     todo = [c for c in convs if c.id not in done_ids]
+    if not todo:
+        write_json_atomic(ctx.run.generate_report, {"samples": len(done_ids), "reused_this_run": reused,
+                                                    "reused_from": cfg.reuse_from, "new_tokens_this_run": 0})
+        return {"samples": len(done_ids), "regenerated": True, "finish_length": 0}
     if done_ids:
         ctx.log(f"[eyas] generate: resuming, {len(done_ids)} of {len(convs)} conversations already generated")
     kwargs = ctx.cfg.tokenize.chat_template_kwargs
@@ -90,7 +95,8 @@ def run(ctx: RunContext) -> dict:
         finally:
             bar.close()
     total = len(done_ids) + sched.conversations
-    report = {"samples": total, "finish_reasons_this_run": sched.finish, "resumed_from": len(done_ids),
+    report = {"samples": total, "finish_reasons_this_run": sched.finish, "resumed_from": len(done_ids) - reused,
+              "reused_this_run": reused, "reused_from": cfg.reuse_from,
               "turns_over_max_prompt_tokens_this_run": sched.over_limit, "max_prompt_tokens": limit,
               "engine": {"kind": type(engine).__name__, "slots": stats.slots, "cache_len": stats.cache_len,
                          "attention": stats.attention, "cuda_graph": stats.cuda_graph, "notes": stats.notes},
@@ -103,6 +109,46 @@ def run(ctx: RunContext) -> dict:
             f"{stats.slots} slots, attention {stats.attention}, CUDA graph {stats.cuda_graph})")
     return {"samples": total, "regenerated": True, "finish_length": sched.finish["length"],
             "new_tokens_per_s": round(stats.new_tokens_per_s, 1)}
+
+
+# generate's own settings: a run whose values of these equal ours wrote the replies we would write
+_REUSE_KEYS = ("generate", "target", "tokenize.chat_template_kwargs", "tokenize.max_length")
+
+
+def _reuse(ctx: RunContext, convs: list[Conversation], done_ids: set[str]) -> int:
+    """Copy into this run's output the conversations that a ``generate.reuse_from`` run generated already (same
+    sample id, so the same prompts), adding their ids to ``done_ids``; returns how many were copied.
+
+    Raises :class:`DataError` for a folder whose generate stage has not finished, or ran with other target or
+    generate settings (the differing fields named): its replies are not what this run would generate."""
+    from ..run_folder import RunFolder
+    from . import diff_values, fingerprint_values
+
+    ours = fingerprint_values(ctx.cfg, "generate")
+    want = {c.id for c in convs} - done_ids
+    copied = 0
+    with JsonlAppender(ctx.run.generated) as w:
+        for folder in ctx.cfg.generate.reuse_from:
+            other = RunFolder(Path(folder))
+            if not other.done("generate").exists() or not other.fingerprint_values("generate").exists():
+                raise DataError(f"generate.reuse_from: {folder} has no finished generate stage "
+                                f"({other.done('generate')} is missing); run `eyas generate` there first")
+            theirs = read_json(other.fingerprint_values("generate"))
+            diffs: list[str] = []
+            for key in _REUSE_KEYS:  # the values exclude neutral fields (device, server address, reuse_from)
+                diff_values(theirs.get(key), ours.get(key), key, diffs)
+            if diffs:
+                raise DataError(f"generate.reuse_from: {folder} generated with other settings, so its replies are "
+                                f"not this run's (there -> here): {'; '.join(diffs)}")
+            for _, d in iter_jsonl(other.generated):
+                if d["id"] in want:
+                    w.append(d)
+                    want.discard(d["id"])
+                    done_ids.add(d["id"])
+                    copied += 1
+    ctx.log(f"[eyas] generate: {copied} of {len(convs)} conversations reused from {', '.join(ctx.cfg.generate.reuse_from)}"
+            f"; {len(want)} to generate")
+    return copied
 
 
 def _run_openai(ctx: RunContext, out_path, convs: list[Conversation], todo: list[Conversation], resumed: int) -> dict:
