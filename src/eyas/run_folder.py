@@ -126,6 +126,11 @@ class RunFolder:
         return self.stage("train") / "metrics.jsonl"
 
     @property
+    def train_stop(self) -> Path:
+        """Touched by a user to end training early: the loop checkpoints and writes ``train/final``."""
+        return self.stage("train") / "STOP"
+
+    @property
     def drafter(self) -> Path:
         """The trained drafter folder (:mod:`eyas.drafter`), from which export builds the engine folders."""
         return self.stage("train") / "final"

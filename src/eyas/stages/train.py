@@ -7,6 +7,10 @@ target in this job to make each batch's states (rounded to ``extract.dtype``, as
 offline and online train on the same numbers). Under ``torchrun`` every process runs this stage; process 0
 writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/tensorboard/`` and
 ``train/final/``, a drafter folder (:mod:`eyas.drafter`), from which export builds the engine folders.
+
+``touch RUN/train/STOP`` ends training early but cleanly: after the step in progress it checkpoints and writes
+``train/final`` as at the end of the schedule (the learning rate has not decayed then; the summary says
+``stopped_on_request``). The file is removed when training starts.
 """
 
 from __future__ import annotations
@@ -101,11 +105,15 @@ def run(ctx: RunContext) -> TrainSummary:
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "
             f"{n_params / 1e6:.1f}M trainable parameters, TTT {cfg.ttt_steps} steps, device {device}")
+    stop_file = ctx.run.train_stop
+    stop_file.unlink(missing_ok=True)
     result = train(model, train_set, lm_head, cfg, out, device, ctx.fingerprint, log=ctx.log,
-                   states=states, held_out=held_out)
+                   states=states, held_out=held_out, should_stop=lambda step: stop_file.exists())
     import torch.distributed as tdist
 
     summary = _write_final(ctx, result, dcfg, layer_ids, header, n_params) if result.final_state else None
+    if summary is not None:
+        summary.stopped_on_request = stop_file.exists() and not result.stopped_early
     if tdist.is_initialized():  # every process returns process 0's summary (each writes the same done.json)
         box = [summary]
         tdist.broadcast_object_list(box, src=0)
