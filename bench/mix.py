@@ -1,0 +1,414 @@
+"""The data experiment of issue 18 on one H200: which training mix makes the SmolLM2-135M-Instruct drafter pay off
+on chat, code and math, at equal training tokens, and the best mix trained to the end of its held-out curve.
+
+Arms (``ARMS``; every arm decontaminated against the three evaluation sets and near-duplicates removed):
+    a     the five files of the first headline run (58% GSM8K, no code)
+    b     all fourteen files of ../shared/data/train, GSM8K capped at 2,500 conversations
+    c10   b plus 10,000 prompts SmolLM2 wrote itself (Magpie, ``prepare.self_prompts``)
+    c30   b plus 30,000 of them
+
+Phases of ``all`` (one process on the device, started with setsid so that it outlives each device call; ``wait``
+calls watch it; every stage is Eyas's own, ``python -m eyas.cli STAGE CONFIG``):
+    1. selfp      the self-prompts, once (a prepare with only ``self_prompts``), written out as a prompts file
+    2. prepare    the four arms' prepare in parallel (CPU), while the probe set's replies are generated (GPU)
+    3. generate   c30 in full; a, b, c10 take their replies from c30 (``generate.reuse_from``) and generate only
+                  what c30 lacks (a's uncapped GSM8K)
+    4. tokenize, vocab of every arm in parallel
+    5. train      the four arms at once, online, each planned for the same training tokens (``--tokens``); at
+                  ``--probe-step`` every arm's checkpoint is probed, the best arm (the mean over the three sets of
+                  its teacher-forced accuracy at TTT positions 0-2) trains on alone to the end of its schedule or
+                  held-out curve, the others are stopped
+    6. export of the best arm; the probe of its final drafter
+The probe: teacher-forced accuracy per TTT position of a drafter on the target's own greedy replies (256 new
+tokens) to the first 80 prompts of MT-bench (both turns), HumanEval and the GSM8K test set, computed as training's
+held-out evaluation (``eyas.train.loop.evaluate_held_out``) with the target run online.
+
+    python bench/mix.py all [--tokens 52e6] [--probe-step 600] [--deadline-s 1260] [--set key=value ...]
+    python bench/mix.py wait --max-seconds 560     # progress, returns when ``all`` ends or the time is up
+    python bench/mix.py pack --out DIR             # results.json, logs, the best drafter's weight files
+Writes RUNS/mix.log (progress), RUNS/results.json (per arm: the prepare mix, tokens, generate figures, training
+curve, probes; the choice), RUNS/<arm>/ (run folders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "bench" / "mix.yaml"
+FIVE = ["sharegpt_sg90k_sampled.json", "sharegpt_prompts_500.json", "sharegpt_multiturn.jsonl",
+        "alpaca_en_demo.json", "gsm8k_train.jsonl"]
+NINE = ["gpteacher_codegen.json", "evol_code_r1.json", "evol_code_r2.json", "leetcode_train.jsonl.gz",
+        "mbpp_train.jsonl", "awesome_chatgpt_prompts.csv", "gpteacher_roleplay.json", "mtbench101.jsonl",
+        "oasst_prompts_350.jsonl"]
+FIELDS = {"leetcode_train.jsonl.gz": {"prompt": "query"}}   # its `prompt` column is an import header
+GSM8K_CAP = 2500
+PROBE_SETS = {"mt_bench": ("eval/mt_bench.jsonl", "mt_bench"), "humaneval": ("eval/humaneval.jsonl", "prompts"),
+              "gsm8k": ("eval/gsm8k_test.jsonl", "gsm8k")}
+T0 = time.time()
+
+
+def log(runs: Path, msg: str) -> None:
+    line = f"[mix {time.strftime('%H:%M:%S')} +{time.time() - T0:.0f}s] {msg}"
+    print(line, flush=True)
+    with open(runs / "mix.log", "a") as f:
+        f.write(line + "\n")
+
+
+def source(name: str, **extra) -> dict:
+    s = {"path": f".hdata/train/{name}", **extra}
+    if name in FIELDS:
+        s["fields"] = FIELDS[name]
+    return s
+
+
+def arms(self_file: str, max_rows: int | None) -> dict[str, list[dict]]:
+    """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check)."""
+    lim = {"max_rows": max_rows} if max_rows else {}
+    five = [source(n, **lim) for n in FIVE]
+    capped = [source(n, **lim, **({"max_conversations": GSM8K_CAP} if n == "gsm8k_train.jsonl" else {}))
+              for n in FIVE + NINE]
+    return {"a": five, "b": capped,
+            "c10": capped + [{"path": self_file, "format": "prompts", "max_conversations": 10000}],
+            "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}]}
+
+
+def write_config(runs: Path, name: str, changes: dict, sets: list[str]) -> Path:
+    """RUNS/<name>.yaml: the base config with ``changes`` (dotted keys) and the ``--set`` overrides applied."""
+    from eyas.config import _set_dotted  # the loader's own dotted-key setter, so overrides mean the same here
+
+    raw = yaml.safe_load(BASE.read_text())
+    raw["run_dir"] = str(runs / name)
+    for k, v in changes.items():
+        _set_dotted(raw, k, v)
+    for item in sets:
+        k, _, v = item.partition("=")
+        _set_dotted(raw, k.strip(), yaml.safe_load(v))
+    path = runs / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def eyas(stage: str, config: Path, *extra: str, wait: bool = True, logfile: Path | None = None):
+    cmd = [sys.executable, "-m", "eyas.cli", stage, str(config), *extra]
+    out = open(logfile, "a") if logfile else None
+    p = subprocess.Popen(cmd, stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=False)
+    if not wait:
+        return p
+    rc = p.wait()
+    if rc != 0:
+        raise SystemExit(f"eyas {stage} {config} exited {rc} (log: {logfile})")
+    return rc
+
+
+def done(run: Path, stage: str) -> dict:
+    d = json.loads((run / stage / "done.json").read_text())
+    return {**d["summary"], "seconds": d["seconds"]}
+
+
+def parallel(runs: Path, jobs: list[tuple[str, Path]]) -> None:
+    """``eyas STAGE CONFIG`` for each job at once; raises naming the first that failed."""
+    procs = [(s, c, eyas(s, c, wait=False, logfile=runs / f"{c.stem}.log")) for s, c in jobs]
+    bad = [(s, c) for s, c, p in procs if p.wait() != 0]
+    if bad:
+        raise SystemExit(f"failed: {bad} (logs under {runs})")
+
+
+# ------------------------------------------------------------------------------------------------------ probe
+def probe_samples(runs: Path) -> dict[str, list]:
+    """set name -> tokenized samples of the probe run (the target's greedy replies to the evaluation prompts)."""
+    from eyas.records import read_conversations, read_tokenized
+
+    run = runs / "probe"
+    source_of = {c.id: c.source for c in read_conversations(run / "generate" / "conversations.jsonl")}
+    by_set: dict[str, list] = {k: [] for k in PROBE_SETS}
+    for s in read_tokenized(run / "tokenize" / "samples.jsonl"):
+        name = next(k for k, (rel, _) in PROBE_SETS.items() if Path(rel).name in source_of[s.id])
+        by_set[name].append(s)
+    return by_set
+
+
+def probe(runs: Path, arm: str, checkpoint: Path | None) -> dict:
+    """Teacher-forced accuracy per TTT position of ``arm``'s drafter (a checkpoint, or train/final) on each probe set.
+
+    Returns ``{set: {"acc": [K floats], "loss": float, "samples": n}}``."""
+    import torch
+
+    from eyas.config import load_config
+    from eyas.data.vocab import load_vocab
+    from eyas.distributed import Dist
+    from eyas.drafter import load_drafter
+    from eyas.store.header import expected_header
+    from eyas.targets.load import load_target_head, read_target_config
+    from eyas.train.build import build_draft, draft_config_for
+    from eyas.train.checkpoint import load_checkpoint
+    from eyas.train.data import SampleDataset
+    from eyas.train.loop import DraftWithLoss, evaluate_held_out
+    from eyas.train.online import OnlineStates
+    from eyas.families import text_config
+    from eyas.run_folder import RunFolder
+
+    cfg = load_config(runs / f"{arm}.yaml")
+    run = runs / arm
+    device = torch.device(cfg.train.device if cfg.train.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    embed, lm_head = load_target_head(cfg.target)
+    header = expected_header(cfg.target, cfg.extract, RunFolder(run))
+    tcfg = read_target_config(cfg.target)
+    if checkpoint is None:
+        model, _ = load_drafter(run / "train" / "final", embed, engine="sglang",
+                                num_target_layers=int(text_config(tcfg)["num_hidden_layers"]))
+    else:
+        d2t, t2d = load_vocab(run / "vocab" / "vocab.safetensors")
+        model = build_draft(draft_config_for(tcfg, cfg.train.draft, len(d2t), len(header.layer_ids)), embed, d2t,
+                            t2d, cfg.train.seed)
+        state, _, _ = load_checkpoint(checkpoint, torch.device("cpu"))
+        missing = set(model.trainable_state_dict()) - set(state)
+        assert not missing, missing
+        model.load_state_dict(state, strict=False)
+    model.to(device)
+    model.set_attention("sdpa")
+    cuda = device.type == "cuda"
+    float_dtype = torch.bfloat16 if cuda else torch.float32
+    step_module = DraftWithLoss(model, cfg.train, compiled=False).to(device)
+    dist = Dist.from_env(device, cfg.train.distributed)
+    draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    out = {}
+    for name, samples in probe_samples(runs).items():
+        states = OnlineStates(cfg.target, cfg.extract, header.layer_ids, samples)
+        ev = evaluate_held_out(step_module, SampleDataset(samples, cfg.train.max_length), states,
+                               lm_head.to(device, float_dtype), draft_ids, model.t2d, cfg.train, dist, autocast,
+                               float_dtype, 64 if cuda else 1)
+        states.close()
+        K = cfg.train.ttt_steps
+        out[name] = {"acc": [round(ev[f"eval_acc_{k}"], 4) for k in range(K)], "loss": round(ev["eval_loss"], 4),
+                     "samples": len(samples)}
+    return out
+
+
+def score(p: dict) -> float:
+    """The choice: mean over the probe sets of the accuracy at TTT positions 0-2 (what 3 draft tokens use)."""
+    return sum(sum(v["acc"][:3]) / 3 for v in p.values()) / len(p)
+
+
+def checkpoints(run: Path) -> list[Path]:
+    from eyas.train.checkpoint import list_checkpoints
+
+    return list_checkpoints(run / "train" / "checkpoints")
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[1])
+
+
+# -------------------------------------------------------------------------------------------------------- all
+def cmd_all(args) -> None:
+    runs = Path(args.runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "tokens_planned": args.tokens,
+                     "probe_step": args.probe_step, "arms": {}}
+    save = lambda: (runs / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # noqa: E731
+    self_file = str(runs / "self_prompts.jsonl")
+
+    # 1. the self-prompts, once
+    sp = write_config(runs, "selfp", {"prepare.sources": [], "prepare.self_prompts": {
+        "count": args.self_prompts, "max_tokens": args.self_prompt_tokens, "min_chars": 16, "languages": ["en"],
+        "seed": 0}},
+        args.set)
+    log(runs, f"selfp: {args.self_prompts} self-prompts asked")
+    eyas("prepare", sp, logfile=runs / "selfp.log")
+    from eyas.records import read_conversations
+
+    convs = read_conversations(runs / "selfp" / "prepare" / "conversations.jsonl")
+    with open(self_file, "w") as f:
+        for c in convs:
+            f.write(json.dumps(c.messages[0].content) + "\n")
+    rep = json.loads((runs / "selfp" / "prepare" / "report.json").read_text())
+    results["self_prompts"] = {"kept": len(convs), **rep["sources"][0]}
+    save()
+    log(runs, f"selfp: {len(convs)} kept; {rep['sources'][0].get('self_prompts')}")
+
+    # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
+    cfgs = {name: write_config(runs, name, {"prepare.sources": srcs}, args.set)
+            for name, srcs in arms(self_file, args.max_rows).items()}
+    data = args.data
+    probe_srcs = [{"path": f"{data}/{rel}", "format": fmt, "max_rows": args.probe_prompts}
+                  for rel, fmt in PROBE_SETS.values()]
+    pc = write_config(runs, "probe", {"prepare.sources": probe_srcs, "prepare.decontaminate": None,
+                                      "prepare.near_duplicates": None, "generate.max_new_tokens": 256}, args.set)
+    probe_proc = subprocess.Popen(f"{sys.executable} -m eyas.cli prepare {pc} && {sys.executable} -m eyas.cli "
+                                  f"generate {pc} && {sys.executable} -m eyas.cli tokenize {pc}", shell=True,
+                                  stdout=open(runs / "probe.log", "a"), stderr=subprocess.STDOUT)
+    log(runs, "prepare: four arms in parallel; probe replies generating")
+    parallel(runs, [("prepare", c) for c in cfgs.values()])
+    for name in cfgs:
+        rep = json.loads((runs / name / "prepare" / "report.json").read_text())
+        results["arms"][name] = {"prepare": {"samples": rep["samples"], "mix": rep["mix"],
+                                             "seconds": done(runs / name, "prepare")["seconds"]}}
+    save()
+    if probe_proc.wait() != 0:
+        raise SystemExit("probe run failed (probe.log)")
+    log(runs, "prepare done; probe run tokenized")
+
+    # 3. generate: c30 in full, the others from it
+    eyas("generate", cfgs["c30"], logfile=runs / "c30.log")
+    for name in ("a", "b", "c10"):
+        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
+                                               "generate.reuse_from": [str(runs / "c30")]}, args.set)
+        eyas("generate", cfgs[name], logfile=runs / f"{name}.log")
+    for name in cfgs:
+        results["arms"][name]["generate"] = json.loads((runs / name / "generate" / "report.json").read_text())
+    save()
+    log(runs, "generate done: " + ", ".join(
+        f"{n} {results['arms'][n]['generate'].get('new_tokens_per_s', 'reused')}" for n in cfgs))
+
+    # 4. tokenize, vocab
+    parallel(runs, [("tokenize", c) for c in cfgs.values()])
+    parallel(runs, [("vocab", c) for c in cfgs.values()])
+    for name in cfgs:
+        results["arms"][name]["tokenize"] = done(runs / name, "tokenize")
+        results["arms"][name]["vocab"] = done(runs / name, "vocab")
+    save()
+
+    # 5. train: every arm planned for the same tokens, all at once
+    procs = {}
+    for name in cfgs:
+        tokens = results["arms"][name]["tokenize"]["tokens"]
+        epochs = round(args.tokens / tokens, 4)
+        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
+                                               "generate.reuse_from": [] if name == "c30" else [str(runs / "c30")],
+                                               "train.epochs": epochs}, args.set)
+        results["arms"][name]["train_epochs"] = epochs
+        procs[name] = eyas("train", cfgs[name], wait=False, logfile=runs / f"{name}.log")
+    save()
+    log(runs, f"train: {len(procs)} arms started, {args.tokens:.3g} tokens each planned")
+    probes: dict[str, dict] = {}
+    while len(probes) < len(procs):
+        for name, p in procs.items():
+            if name in probes:
+                continue
+            ck = [c for c in checkpoints(runs / name) if step_of(c) >= args.probe_step]
+            if ck or p.poll() is not None:
+                ck = ck or checkpoints(runs / name)[-1:]
+                probes[name] = {"step": step_of(ck[0]), **probe(runs, name, ck[0])}
+                results["arms"][name]["probe"] = probes[name]
+                save()
+                log(runs, f"probe {name} at step {probes[name]['step']}: "
+                          + " ".join(f"{s} {v['acc'][:3]}" for s, v in probes[name].items() if s != "step"))
+        time.sleep(5)
+    scores = {n: score({k: v for k, v in p.items() if k != "step"}) for n, p in probes.items()}
+    best = max(scores, key=scores.get)
+    results.update(scores=scores, best=best)
+    save()
+    log(runs, f"scores {scores}: best {best}; the others are stopped")
+    for name, p in procs.items():
+        if name != best and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait()
+    p = procs[best]
+    while p.poll() is None:
+        if time.time() - T0 > args.deadline_s:
+            log(runs, f"deadline: asking {best} to stop (train/STOP): it checkpoints and writes its drafter")
+            (runs / best / "train" / "STOP").touch()
+            p.wait()
+            break
+        time.sleep(5)
+    if p.returncode != 0:
+        raise SystemExit(f"train {best} exited {p.returncode}")
+    results["arms"][best]["train"] = done(runs / best, "train")
+    eyas("export", cfgs[best], logfile=runs / f"{best}.log")
+    results["final"] = {"arm": best, "probe": probe(runs, best, None), "export": done(runs / best, "export")}
+    results["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    log(runs, f"done: {best} {results['final']['probe']}")
+    (runs / "ALL_DONE").write_text("ok\n")
+
+
+def cmd_wait(args) -> None:
+    runs = Path(args.runs)
+    t = time.time()
+    seen = 0
+    while time.time() - t < args.max_seconds:
+        text = (runs / "mix.log").read_text() if (runs / "mix.log").exists() else ""
+        lines = text.splitlines()
+        for line in lines[seen:]:
+            print(line, flush=True)
+        seen = len(lines)
+        if (runs / "ALL_DONE").exists() or (runs / "FAILED").exists():
+            break
+        time.sleep(5)
+    for name in ("a", "b", "c10", "c30"):
+        m = runs / name / "train" / "metrics.jsonl"
+        if m.exists():
+            rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+            if rows:
+                r = rows[-1]
+                accs = [round(r[f"acc_{k}"], 3) for k in range(3) if f"acc_{k}" in r]
+                print(f"{name}: step {r['step']} acc {accs} {r.get('recent_tokens_per_s', 0):.0f} tok/s"
+                      f" held-out acc_0 {r.get('eval_acc_0')}")
+    if (runs / "FAILED").exists():
+        print((runs / "FAILED").read_text())
+
+
+def cmd_pack(args) -> None:
+    runs, out = Path(args.runs), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rc = subprocess.run(["tar", "czf", str(out / "mix_runs.tar.gz"), "--exclude=checkpoints", "--exclude=*.safetensors",
+                         "--exclude=tensorboard", "--exclude=conversations.jsonl", "--exclude=samples.jsonl",
+                         "-C", str(runs), "."]).returncode
+    if rc > 1:
+        raise SystemExit(f"tar failed ({rc})")
+    for name in ("results.json", "mix.log"):
+        if (runs / name).exists():
+            shutil.copy(runs / name, out / name)
+    res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
+    best = res.get("best")
+    if best and (runs / best / "export" / "sglang").exists():
+        for f in sorted((runs / best / "export" / "sglang").glob("*.safetensors")):
+            shutil.copy(f, out / f"drafter_{f.name}")
+    for f in sorted(out.iterdir()):
+        print(f"{f.name}: {f.stat().st_size:,} bytes")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["all", "wait", "pack", "probe"])
+    ap.add_argument("--runs", default=os.environ.get("MIX_RUNS", str(REPO / "runs" / "mix")))
+    ap.add_argument("--data", default=os.environ.get("MIX_DATA", ".hdata"))
+    ap.add_argument("--set", action="append", default=[], help="key=value applied to every arm's config")
+    ap.add_argument("--tokens", type=float, default=52e6, help="training tokens planned per arm")
+    ap.add_argument("--probe-step", type=int, default=600)
+    ap.add_argument("--probe-prompts", type=int, default=80)
+    ap.add_argument("--self-prompts", type=int, default=45000, help="self-prompts asked")
+    ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
+    ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
+    ap.add_argument("--deadline-s", type=float, default=1260, help="seconds after start at which training stops")
+    ap.add_argument("--max-seconds", type=float, default=560)
+    ap.add_argument("--arm", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(REPO / "runs" / "out")))
+    args = ap.parse_args()
+    if args.command == "all":
+        try:
+            cmd_all(args)
+        except BaseException as e:  # the waiting calls must see that it ended
+            Path(args.runs, "FAILED").write_text(f"{type(e).__name__}: {e}\n")
+            raise
+    elif args.command == "probe":
+        print(json.dumps(probe(Path(args.runs), args.arm, None)))
+    else:
+        {"wait": cmd_wait, "pack": cmd_pack}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

