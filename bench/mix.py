@@ -11,8 +11,8 @@ Phases of ``all`` (one process on the device, started with setsid so that it out
 calls watch it; every stage is Eyas's own, ``python -m eyas.cli STAGE CONFIG``):
     1. selfp      the self-prompts, once (a prepare with only ``self_prompts``), written out as a prompts file
     2. prepare    the four arms' prepare in parallel (CPU), while the probe set's replies are generated (GPU)
-    3. generate   c30 in full; a, b, c10 take their replies from c30 (``generate.reuse_from``) and generate only
-                  what c30 lacks (a's uncapped GSM8K)
+    3. generate   the largest arm asked for (c30) in full; the others take their replies from it
+                  (``generate.reuse_from``) and generate only what it lacks (a's uncapped GSM8K)
     4. tokenize, vocab of every arm in parallel
     5. train      the four arms at once, online, each planned for the same training tokens (``--tokens``); at
                   ``--probe-step`` every arm's checkpoint is probed, the best arm (the mean over the three sets of
@@ -23,7 +23,7 @@ The probe: teacher-forced accuracy per TTT position of a drafter on the target's
 tokens) to the first 80 prompts of MT-bench (both turns), HumanEval and the GSM8K test set, computed as training's
 held-out evaluation (``eyas.train.loop.evaluate_held_out``) with the target run online.
 
-    python bench/mix.py all [--tokens 52e6] [--probe-step 600] [--deadline-s 1260] [--set key=value ...]
+    python bench/mix.py all [--arms a,b,c10,c30] [--tokens 52e6] [--probe-step 600] [--deadline-s 1260] [--set k=v]
     python bench/mix.py wait --max-seconds 560     # progress, returns when ``all`` ends or the time is up
     python bench/mix.py pack --out DIR             # results.json, logs, the best drafter's weight files
 Writes RUNS/mix.log (progress), RUNS/results.json (per arm: the prepare mix, tokens, generate figures, training
@@ -220,8 +220,21 @@ def cmd_all(args) -> None:
                      "probe_step": args.probe_step, "arms": {}}
     save = lambda: (runs / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # noqa: E731
     self_file = str(runs / "self_prompts.jsonl")
+    chosen = args.arms.split(",")
+    unknown = set(chosen) - set(arms(self_file, None))
+    if unknown:
+        raise SystemExit(f"--arms: unknown {sorted(unknown)} (arms: a, b, c10, c30)")
+    # the arm generated in full (the largest asked for); the others reuse its replies
+    full = max(chosen, key=["a", "b", "c10", "c30"].index)
 
-    # 1. the self-prompts, once
+    # 1. the self-prompts, once (only the c arms use them)
+    if any(a.startswith("c") for a in chosen):
+        _self_prompts(runs, args, self_file, results)
+        save()
+    _run_arms(runs, args, self_file, results, save, chosen, full)
+
+
+def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
     sp = write_config(runs, "selfp", {"prepare.sources": [], "prepare.self_prompts": {
         "count": args.self_prompts, "max_tokens": args.self_prompt_tokens, "min_chars": 16, "languages": ["en"],
         "seed": 0}},
@@ -236,12 +249,13 @@ def cmd_all(args) -> None:
             f.write(json.dumps(c.messages[0].content) + "\n")
     rep = json.loads((runs / "selfp" / "prepare" / "report.json").read_text())
     results["self_prompts"] = {"kept": len(convs), **rep["sources"][0]}
-    save()
     log(runs, f"selfp: {len(convs)} kept; {rep['sources'][0].get('self_prompts')}")
 
+
+def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
     cfgs = {name: write_config(runs, name, {"prepare.sources": srcs}, args.set)
-            for name, srcs in arms(self_file, args.max_rows).items()}
+            for name, srcs in arms(self_file, args.max_rows).items() if name in chosen}
     data = args.data
     probe_srcs = [{"path": f"{data}/{rel}", "format": fmt, "max_rows": args.probe_prompts}
                   for rel, fmt in PROBE_SETS.values()]
@@ -261,11 +275,11 @@ def cmd_all(args) -> None:
         raise SystemExit("probe run failed (probe.log)")
     log(runs, "prepare done; probe run tokenized")
 
-    # 3. generate: c30 in full, the others from it
-    eyas("generate", cfgs["c30"], logfile=runs / "c30.log")
-    for name in ("a", "b", "c10"):
+    # 3. generate: the largest arm in full, the others from it
+    eyas("generate", cfgs[full], logfile=runs / f"{full}.log")
+    for name in [n for n in chosen if n != full]:
         cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
-                                               "generate.reuse_from": [str(runs / "c30")]}, args.set)
+                                               "generate.reuse_from": [str(runs / full)]}, args.set)
         eyas("generate", cfgs[name], logfile=runs / f"{name}.log")
     for name in cfgs:
         results["arms"][name]["generate"] = json.loads((runs / name / "generate" / "report.json").read_text())
@@ -287,7 +301,7 @@ def cmd_all(args) -> None:
         tokens = results["arms"][name]["tokenize"]["tokens"]
         epochs = round(args.tokens / tokens, 4)
         cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
-                                               "generate.reuse_from": [] if name == "c30" else [str(runs / "c30")],
+                                               "generate.reuse_from": [] if name == full else [str(runs / full)],
                                                "train.epochs": epochs}, args.set)
         results["arms"][name]["train_epochs"] = epochs
         procs[name] = eyas("train", cfgs[name], wait=False, logfile=runs / f"{name}.log")
@@ -387,6 +401,7 @@ def main() -> None:
     ap.add_argument("--runs", default=os.environ.get("MIX_RUNS", str(REPO / "runs" / "mix")))
     ap.add_argument("--data", default=os.environ.get("MIX_DATA", ".hdata"))
     ap.add_argument("--set", action="append", default=[], help="key=value applied to every arm's config")
+    ap.add_argument("--arms", default="a,b,c10,c30", help="the arms to run (comma-separated)")
     ap.add_argument("--tokens", type=float, default=52e6, help="training tokens planned per arm")
     ap.add_argument("--probe-step", type=int, default=600)
     ap.add_argument("--probe-prompts", type=int, default=80)
