@@ -251,13 +251,25 @@ class ExtractConfig(Section):
 
 
 class DraftConfig(Section):
-    """Shape of the draft model; unset fields are taken from the target."""
+    """Shape of the draft model; unset fields are taken from the target, a set one is used as given."""
 
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    hidden_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DraftConfig":
+        nh, nkv, H, hd = self.num_attention_heads, self.num_key_value_heads, self.hidden_size, self.head_dim
+        problems = []
+        if nh and nkv and nh % nkv:
+            problems.append(f"num_attention_heads ({nh}) must be a multiple of num_key_value_heads ({nkv})")
+        if nh and H and hd is None and H % nh:
+            problems.append(f"hidden_size ({H}) must be a multiple of num_attention_heads ({nh}), or set head_dim")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TrainConfig(Section):
@@ -267,7 +279,7 @@ class TrainConfig(Section):
     ttt_decay: float = Field(0.8, gt=0.0, description="step i of TTT is weighted ttt_decay**i")
     epochs: float = Field(1.0, gt=0.0)
     lr: float = Field(1e-4, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's (beta1, beta2), each in [0, 1)")
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_ratio: float = Field(0.02, ge=0.0, le=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine decays to lr * min_lr_ratio")
@@ -308,6 +320,14 @@ class TrainConfig(Section):
     wandb_project: str | None = Field(None, description="log to this wandb project (when wandb is installed)")
     init_from: str | None = Field(
         None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d are kept")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        bad = [f"beta{i + 1}={b}" for i, b in enumerate(v) if not 0.0 <= b < 1.0]
+        if bad:
+            raise ValueError(f"AdamW betas must each be in [0, 1): {', '.join(bad)}")
+        return v
 
 
 class ExportConfig(Section):
@@ -404,6 +424,26 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key written twice in one mapping is an error naming both lines (PyYAML
+    keeps the last silently: a ``train:`` section written twice would lose the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key '{key}' is written twice in one mapping (lines {seen[key]} and {line}); "
+                                    f"keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(spec: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Load a run config from YAML (a path, ``pkg:...`` or the name ``demo``) and apply ``key.sub=value`` overrides.
 
@@ -415,9 +455,11 @@ def load_config(spec: str | Path, overrides: list[str] | None = None) -> RunConf
         spec = DEMO_CONFIG
     path = resolve_path(spec)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -45,3 +45,28 @@ def test_missing_file_and_bad_override(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="key.sub=value"):
         load_config(_write(tmp_path, BASE), ["train.lr"])
+
+
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    text = BASE + "train: {lr: 1.0e-4}\nexport: {formats: [sglang]}\ntrain: {ttt_steps: 3}\n"
+    with pytest.raises(ConfigError, match=r"key 'train' is written twice in one mapping \(lines 5 and 7\)"):
+        load_config(_write(tmp_path, text))
+    with pytest.raises(ConfigError, match=r"key 'lr' is written twice"):
+        load_config(_write(tmp_path, BASE + "train:\n  lr: 1.0\n  lr: 2.0\n"))
+
+
+def test_every_bad_optimizer_and_draft_setting_is_reported_at_once(tmp_path):
+    text = BASE + ("train:\n  betas: [0.9, 1.5]\n  draft: {hidden_size: -64, num_attention_heads: 0}\n"
+                   "  lr: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text))
+    msg = str(e.value)
+    assert "4 invalid" in msg and "train.betas" in msg and "beta2=1.5" in msg
+    assert "train.draft.hidden_size" in msg and "train.draft.num_attention_heads" in msg and "train.lr" in msg
+    with pytest.raises(ConfigError, match="num_attention_heads \\(12\\) must be a multiple of num_key_value_heads"):
+        load_config(_write(tmp_path, BASE + "train: {draft: {num_attention_heads: 12, num_key_value_heads: 5}}\n"))
+    with pytest.raises(ConfigError, match="hidden_size \\(100\\) must be a multiple of num_attention_heads"):
+        load_config(_write(tmp_path, BASE + "train: {draft: {hidden_size: 100, num_attention_heads: 8}}\n"))
+    cfg = load_config(_write(tmp_path, BASE + "train: {draft: {hidden_size: 100, num_attention_heads: 8, "
+                                              "head_dim: 16}, betas: [0.0, 0.999]}\n"))
+    assert cfg.train.draft.num_attention_heads == 8 and cfg.train.betas == (0.0, 0.999)
