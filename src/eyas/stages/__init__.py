@@ -221,8 +221,40 @@ def check_inputs(ctx: RunContext, stage: str) -> None:
         if not run.fingerprint(up).exists() or read_json(run.fingerprint(up)) != fp:
             changes = changed_fields(run, up, fp, ctx.cfg)
             raise EyasError(f"{stage} reads {run.stage(up)}, which was made with another configuration "
-                            f"({'; '.join(changes) or 'no fingerprint'}): rebuild it first with "
-                            f"`eyas {up} CONFIG --force` (then every stage after it), or `eyas run CONFIG --force`")
+                            f"({'; '.join(changes) or 'no fingerprint'}): {rebuild_advice(ctx, up, changes)}")
+
+
+# Settings a later stage can apply itself, so an earlier stage need not be redone for them
+_CHEAPER = {"tokenize.max_length": "or keep the samples and set train.max_length instead (training cuts each "
+                                   "sample to it) with tokenize.max_length as it was"}
+
+
+def rebuild_advice(ctx: RunContext, up: str, changes: list[str]) -> str:
+    """The cheapest command that makes ``up`` current again, and what it redoes: the earliest stale stage that ``up``
+    depends on (a stage upstream may read the changed field too, e.g. generate reads tokenize.max_length, and then
+    ``eyas up --force`` would be refused in turn) and the stages depending on it; plus a cheaper route where a
+    later stage can take the change itself (:data:`_CHEAPER`)."""
+    chain = [s for s in STAGES if s in _upstream(up) or s == up]
+    stale = [s for s in chain if not is_current(ctx, s, stage_fingerprint(ctx.cfg, s)) and ctx.run.stage(s).exists()]
+    first = stale[0] if stale else up
+    redone = [s for s in dependents(first) if ctx.run.stage(s).exists()]
+    if first == up:
+        advice = (f"rebuild it first with `eyas {up} CONFIG --force` (it redoes {', '.join(redone)}), or `eyas run "
+                  f"CONFIG --force`")
+    else:
+        advice = (f"{first} reads that setting too, so rebuild from there: `eyas run CONFIG --force` redoes "
+                  f"{len(redone)} stages ({', '.join(redone)}) and keeps the others")
+    extra = [hint for field, hint in _CHEAPER.items() if any(c.startswith(field + ":") for c in changes)]
+    return advice + ("; " + "; ".join(extra) if extra else "")
+
+
+@cache
+def _upstream(stage: str) -> frozenset[str]:
+    """Every stage whose outputs ``stage`` reads, directly or through its inputs."""
+    out: set[str] = set()
+    for up in stage_module(stage).INPUTS:
+        out |= {up} | _upstream(up)
+    return frozenset(out)
 
 
 def _check_fingerprint(ctx: RunContext, stage: str, fp: dict) -> bool:
