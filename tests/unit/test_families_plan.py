@@ -74,8 +74,10 @@ def test_draft_config_mla_uses_v_head_dim_and_yarn():
                               draft_vocab_size=32000, num_aux_layers=3)
     assert (narrow.hidden_size, narrow.target_hidden_size, narrow.head_dim) == (4096, 7168, 128)
     assert narrow.own_embedding
-    with pytest.raises(ConfigError, match="multiple"):
-        draft_config_for(KIMI, DraftConfig(num_attention_heads=6, num_key_value_heads=4), 32000, 3)
+    with pytest.raises(ValueError, match="multiple"):      # refused where the config is read (pydantic)
+        DraftConfig(num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ConfigError, match="multiple"):      # and where the target fills in the rest
+        draft_config_for(KIMI, DraftConfig.model_construct(num_attention_heads=6, num_key_value_heads=4), 32000, 3)
 
 
 def test_narrower_draft_keeps_its_own_embedding_through_export_and_load(tmp_path):
