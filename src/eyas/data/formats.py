@@ -60,7 +60,6 @@ class RawRow:
 # Compression is told by the file's first bytes, never by its name (a '.json' that is gzipped, a '.gz' that is not).
 _MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
 _COMPRESSED_SUFFIXES = (".gz", ".gzip", ".bz2", ".xz", ".zst")
-DIRECT = (".json", ".jsonl", ".ndjson", ".parquet", ".csv", ".tsv")  # read here; the rest through `datasets`
 
 
 def compression_of(path: Path) -> str | None:
