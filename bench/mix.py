@@ -308,6 +308,8 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     save()
     log(runs, f"train: {len(procs)} arms started, {args.tokens:.3g} tokens each planned")
     probes: dict[str, dict] = {}
+    if len(procs) == 1:   # one arm: nothing to choose, no probe mid-run (it would share the GPU with training)
+        probes = {next(iter(procs)): {}}
     while len(probes) < len(procs):
         for name, p in procs.items():
             if name in probes:
@@ -321,8 +323,9 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
                 log(runs, f"probe {name} at step {probes[name]['step']}: "
                           + " ".join(f"{s} {v['acc'][:3]}" for s, v in probes[name].items() if s != "step"))
         time.sleep(5)
-    scores = {n: score({k: v for k, v in p.items() if k != "step"}) for n, p in probes.items()}
-    best = max(scores, key=scores.get)
+    scores = {n: score({k: v for k, v in p.items() if k != "step"}) if len(p) > 1 else None
+              for n, p in probes.items()}
+    best = max(scores, key=lambda n: scores[n] or 0.0)
     results.update(scores=scores, best=best)
     save()
     log(runs, f"scores {scores}: best {best}; the others are stopped")
@@ -388,6 +391,12 @@ def cmd_pack(args) -> None:
             shutil.copy(runs / name, out / name)
     res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
     best = res.get("best")
+    conv = runs / (best or "") / "generate" / "conversations.jsonl"
+    if best and conv.exists():   # the target's replies, for generate.reuse_from in a later run (xz, under 16 MiB)
+        with open(out / f"{best}_conversations.jsonl.xz", "wb") as f:
+            subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
+        if (out / f"{best}_conversations.jsonl.xz").stat().st_size > 16 * 2**20:
+            (out / f"{best}_conversations.jsonl.xz").unlink()
     if best and (runs / best / "export" / "sglang").exists():
         for f in sorted((runs / best / "export" / "sglang").glob("*.safetensors")):
             shutil.copy(f, out / f"drafter_{f.name}")

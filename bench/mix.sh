@@ -6,6 +6,7 @@
 #                bench/mix.sh s N            carry .gpu/pN: stashes part N (1, 2; each call carries the working tree,
 #                                            about 32 MB with the committed drafter, so a part is at most ~30 MB)
 #                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
+#                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
 #                                            started in its own session (it outlives the call), watched for 540 s
 #                bench/mix.sh w [SECONDS]    watch it (no carry)
 #                bench/mix.sh p              pack: results, logs, the best drafter's weight files into $OUT
@@ -27,6 +28,8 @@ case $step in
     xz -T2 -6 -c "$gguf" > .gpu/smollm2.gguf.xz && split -n 3 -d .gpu/smollm2.gguf.xz .gpu/sm_ && rm .gpu/smollm2.gguf.xz
     for i in 1 2 3; do mv .gpu/sm_0$((i - 1)) .gpu/p$i/; done
     tar cJf .gpu/hdata.tar.xz -C .. shared/data --transform 's,^shared/,,'
+    git archive --format=tar HEAD src bench | xz -c > .gpu/p3/code.tar.xz   # the committed code, not the work tree
+    git rev-parse --short HEAD > .gpu/p3/code.rev
     rm -f .whl/*.whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
@@ -46,7 +49,9 @@ case $step in
     [ -f /root/smollm2.gguf ] || cat /root/stash/sm_00 /root/stash/sm_01 .gpu/p3/sm_02 | xz -d > /root/smollm2.gguf
     echo "$(cat .gpu/smollm2.sha256)  /root/smollm2.gguf" | sha256sum -c
     # a fixed copy of the code, so that later calls' fresh checkouts do not change the running experiment
-    rm -rf /root/work && mkdir -p /root/work && cp -r src bench /root/work/ && ln -sfn /root/data /root/work/.hdata
+    # (the commit `parts` archived, so that uncommitted edits in the working tree never reach the device's run)
+    rm -rf /root/work && mkdir -p /root/work && tar xJf .gpu/p3/code.tar.xz -C /root/work && ln -sfn /root/data /root/work/.hdata
+    echo "code: commit $(cat .gpu/p3/code.rev)"
     (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
