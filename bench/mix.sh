@@ -28,7 +28,7 @@ case $step in
     xz -T2 -6 -c "$gguf" > .gpu/smollm2.gguf.xz && split -n 3 -d .gpu/smollm2.gguf.xz .gpu/sm_ && rm .gpu/smollm2.gguf.xz
     for i in 1 2 3; do mv .gpu/sm_0$((i - 1)) .gpu/p$i/; done
     tar cJf .gpu/hdata.tar.xz -C .. shared/data --transform 's,^shared/,,'
-    git archive --format=tar HEAD src bench | xz -c > .gpu/p3/code.tar.xz   # the committed code, not the work tree
+    git archive --format=tar HEAD src bench ':(exclude)bench/results' | xz -c > .gpu/p3/code.tar.xz   # the committed code, not the work tree
     git rev-parse --short HEAD > .gpu/p3/code.rev
     rm -f .whl/*.whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -17,17 +17,25 @@ from typing import Literal
 from .io import iter_jsonl, stable_hash
 
 Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length"]
 
 
 @dataclass
 class Message:
     """One turn. ``token_ids``: a regenerated reply's exact token ids as the target emitted them (without the
-    end-of-turn token), kept beside its text so later stages can check that the text renders back to them."""
+    end-of-turn token), kept beside its text so later stages can check that the text renders back to them.
+
+    How an assistant reply ended, where known: ``finish_reason`` is ``"stop"`` (the target ended it; ``stop_token``
+    the id it ended on, when the backend says) or ``"length"`` (cut at ``generate.max_new_tokens`` or the source's
+    token limit: the target never emitted an end-of-turn token there, so tokenize does not train one). ``None``:
+    unknown (a source that does not say, a run folder written before Eyas kept it): trained as a finished reply."""
 
     role: Role
     content: str
     reasoning_content: str | None = None
     token_ids: list[int] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token: int | None = None
 
     def to_dict(self) -> dict:
         """The chat-template form (role, content, reasoning)."""
@@ -37,10 +45,15 @@ class Message:
         return d
 
     def to_json(self) -> dict:
-        """The on-disk form: :meth:`to_dict` plus ``token_ids`` when known."""
+        """The on-disk form: :meth:`to_dict` plus ``token_ids``, ``finish_reason`` and ``stop_token`` when known
+        (absent when unknown, so files written before these fields existed read back the same)."""
         d = self.to_dict()
         if self.token_ids is not None:
             d["token_ids"] = self.token_ids
+        if self.finish_reason is not None:
+            d["finish_reason"] = self.finish_reason
+        if self.stop_token is not None:
+            d["stop_token"] = self.stop_token
         return d
 
 

@@ -50,6 +50,7 @@ class TokenizeSummary(Summary):
     skipped: int
     replies_whitespace_changed: int | None = None  # replies kept whose outer whitespace the template changed
     replies_trained_as_emitted: int | None = None  # replies whose emitted ids replaced their text's tokens
+    turns_cut_at_limit: int | None = None  # replies cut at the token limit: no end-of-turn token trained
 
 
 class VocabSummary(Summary):

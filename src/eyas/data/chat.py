@@ -33,7 +33,9 @@ How spans are found (per assistant turn, first that works):
     ``<|channel|>final<|message|>`` is trained as in (b)), and extend it to the end-of-turn token that follows.
 If none works, :class:`ChatTemplateError` says which sample, which turn and why. Whatever the method, a span ends
 with the turn's end-of-turn token: a ``{% generation %}`` block that closes before it (``{% endgeneration %}`` then
-``<|im_end|>``) is extended over it, so the drafter always learns to end a turn.
+``<|im_end|>``) is extended over it, so the drafter learns to end a turn. Those end-of-turn tokens are given per
+turn (:attr:`RenderedConversation.turn_ends`): a reply cut at the token limit never emitted them, and the tokenize
+stage leaves them out of its mask (they stay in the input: the render is as served).
 
 Inline reasoning: a reply that carries its reasoning inside its content (``<think>...</think>answer``, the form
 Qwen3 and DeepSeek-R1 emit and servers without a reasoning parser return) is located as the template renders it.
@@ -116,6 +118,9 @@ class RenderedConversation:
         reply_tokens: ``(message index, t0, t1)`` per reply rendered verbatim: ``input_ids[t0:t1]`` are the tokens
             of its answer text inside the rendering, the tokens training sees for it (compared by ``tokenize``
             with the ids the target emitted).
+        turn_ends: ``(message index, t0, t1)`` per located assistant turn: ``input_ids[t0:t1]`` are the trained
+            tokens of its span after its answer text, the end-of-turn token(s) the template writes (SmolLM2's
+            ``<|im_end|>``); ``tokenize`` takes them out of the mask for a reply cut at the token limit.
     """
 
     text: str
@@ -124,6 +129,7 @@ class RenderedConversation:
     assistant_spans: list[tuple[int, int]]
     reply_issues: tuple[ReplyIssue, ...] = ()
     reply_tokens: tuple[tuple[int, int, int], ...] = ()
+    turn_ends: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -572,9 +578,11 @@ def render_conversation(
     for sp in spans:
         if not any(mask[t] for t, (a, b) in enumerate(offsets) if a < sp.end and b > sp.start):
             raise ChatTemplateError(f"{_where(sample_id, sp.message_index)}: assistant span has no tokens")
-    issues = tuple(_reply_issues(text, offsets, spans, msgs, _eot_tokens(tokenizer)))
+    eots = _eot_tokens(tokenizer)
+    issues = tuple(_reply_issues(text, offsets, spans, msgs, eots))
     return RenderedConversation(text=text, input_ids=ids, loss_mask=mask, assistant_spans=char_spans,
-                                reply_issues=issues, reply_tokens=tuple(_reply_tokens(text, offsets, spans, msgs)))
+                                reply_issues=issues, reply_tokens=tuple(_reply_tokens(text, offsets, spans, msgs)),
+                                turn_ends=tuple(_turn_ends(text, offsets, mask, spans, msgs, eots)))
 
 
 def _reply_tokens(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict]):
@@ -589,6 +597,29 @@ def _reply_tokens(text: str, offsets, spans: list[AssistantSpan], msgs: list[dic
         inside = [t for t, (a, b) in enumerate(offsets) if b > a and a >= s and b <= e]
         if inside:
             yield sp.message_index, inside[0], inside[-1] + 1
+
+
+def _turn_ends(text: str, offsets, mask: list[int], spans: list[AssistantSpan], msgs: list[dict],
+               eots: Sequence[str]):
+    """``(message index, t0, t1)``: the trained tokens of each located turn's span that start after its answer text
+    (the answer found as rendered, or trimmed; a turn whose answer the template rewrote: from its span's last
+    end-of-turn token). A token that crosses the answer's end holds reply text and is not among them."""
+    for sp in spans:
+        if sp.message_index < 0:
+            continue
+        span = text[sp.start:sp.end]
+        content = msgs[sp.message_index].get("content") or ""
+        ends = [span.rfind(c) + len(c) for c in dict.fromkeys([content, content.strip()]) if c and c in span]
+        if ends:
+            cut = sp.start + ends[0]
+        else:
+            starts = [span.rfind(e) for e in eots if e in span]
+            if not starts:
+                continue
+            cut = sp.start + max(starts)
+        tail = [t for t, (a, _) in enumerate(offsets) if mask[t] and cut <= a < sp.end]
+        if tail:
+            yield sp.message_index, tail[0], tail[-1] + 1
 
 
 def _reply_issues(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict], eots: Sequence[str]):

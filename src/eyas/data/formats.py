@@ -4,7 +4,9 @@ Formats (``SourceConfig.format``; ``auto`` detects per row from its fields):
 - ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}``
 - ``openai``:   ``{"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}``
   (either field may hold either turn layout: ``{"from", "value"}`` or ``{"role", "content"}``, the latter's
-  content a string or a list of ``{"type": "text", "text": str}`` parts)
+  content a string or a list of ``{"type": "text", "text": str}`` parts), optionally with the logged answer
+  ``"choices": [{"message": {...}, "finish_reason": ...}]`` as the last reply; an assistant turn's
+  ``finish_reason`` (its own or its choice's) is kept: ``length`` marks a reply cut at the token limit
 - ``ultrachat``: ``{"messages": [...]}`` as openai, or ``{"data": [user, assistant, user, ...]}``
 - ``alpaca``:   ``{"instruction": str, "input": str, "output": str}`` (input appended to the instruction)
 - ``gsm8k``:    ``{"question": str, "answer": str}``
@@ -38,6 +40,7 @@ import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..config import SourceConfig, resolve_path
 from ..errors import DataError
@@ -352,7 +355,31 @@ def _text_of(value, where: str) -> str:
     raise RowError(f"{where} is {type(value).__name__}, expected a string", where)
 
 
-def _turn_list(row: dict, key: str) -> list[tuple[str, str]]:
+class Turn(NamedTuple):
+    """One turn as a row gives it: the normalised role, the text and, for an assistant turn of a row that says,
+    how the reply ended (:func:`finish_reason_of`); the readers of layouts that never say give ``(role, text)``."""
+
+    role: str
+    text: str
+    finish_reason: str | None = None
+
+
+# A reply's end as OpenAI-style rows write it (a message's or a choice's ``finish_reason``): cut at the token limit
+# (OpenAI ``length``; ``max_tokens`` as Anthropic and others write it) or ended by the model (``stop``, a stop
+# sequence, a tool call). Other values (``content_filter``, ``abort``) say neither: unknown, trained as today.
+_FINISH_LENGTH = {"length", "max_tokens"}
+_FINISH_STOP = {"stop", "eos", "end_turn", "stop_sequence", "tool_calls", "function_call"}
+
+
+def finish_reason_of(value) -> str | None:
+    """``"length"``, ``"stop"`` or ``None`` (absent or neither) for a row's ``finish_reason`` value."""
+    if not isinstance(value, str):
+        return None
+    v = value.strip().lower()
+    return "length" if v in _FINISH_LENGTH else "stop" if v in _FINISH_STOP else None
+
+
+def _turn_list(row: dict, key: str) -> list[Turn]:
     turns = row.get(key)
     if not isinstance(turns, list):
         raise RowError(f"field '{key}' is {'missing' if turns is None else type(turns).__name__}, expected a list", key)
@@ -360,17 +387,41 @@ def _turn_list(row: dict, key: str) -> list[tuple[str, str]]:
     for j, t in enumerate(turns):
         if not isinstance(t, dict):
             raise RowError(f"{key}[{j}] is {type(t).__name__}, expected an object", f"{key}[{j}]")
-        role_key, text_key = next(((r, x) for r, x in TURN_LAYOUTS if r in t), TURN_LAYOUTS[key == "messages"])
-        role = t.get(role_key)
-        if not isinstance(role, str):
-            raise RowError(f"{key}[{j}] has no string '{role_key}' (a turn is {{\"from\", \"value\"}} or "
-                           f"{{\"role\", \"content\"}})", f"{key}[{j}].{role_key}")
-        text = _text_of(t.get(text_key), f"{key}[{j}].{text_key}")
-        norm = ROLE_MAP.get(role.strip().lower())
-        if norm is None:
-            raise RowError(f"unknown role '{role}'", f"{key}[{j}].{role_key}")
-        out.append((norm, text))
+        out.append(_turn(t, f"{key}[{j}]", TURN_LAYOUTS[key == "messages"]))
     return out
+
+
+def _turn(t: dict, where: str, layout: tuple[str, str], finish=None) -> Turn:
+    """One turn object in either layout (``layout`` when it has neither role field); ``finish``: the reply's
+    finish reason when it is given beside the turn (a choice's) rather than in it."""
+    role_key, text_key = next(((r, x) for r, x in TURN_LAYOUTS if r in t), layout)
+    role = t.get(role_key)
+    if not isinstance(role, str):
+        raise RowError(f"{where} has no string '{role_key}' (a turn is {{\"from\", \"value\"}} or "
+                       f"{{\"role\", \"content\"}})", f"{where}.{role_key}")
+    text = _text_of(t.get(text_key), f"{where}.{text_key}")
+    norm = ROLE_MAP.get(role.strip().lower())
+    if norm is None:
+        raise RowError(f"unknown role '{role}'", f"{where}.{role_key}")
+    finish = finish_reason_of(t.get("finish_reason", finish)) if norm == "assistant" else None
+    return Turn(norm, text, finish)
+
+
+def _choice_turn(row: dict) -> list[Turn]:
+    """The reply of a row logged with its chat-completion answer (``{"messages": [...], "choices": [{"message":
+    {...}, "finish_reason": ...}]}``): the one choice's message, with the choice's finish reason; none without
+    ``choices``. Several choices are several replies to one prompt: the row is skipped (keep one per row)."""
+    choices = row.get("choices")
+    if choices is None:
+        return []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise RowError("field 'choices' must be a list of objects", "choices")
+    if len(choices) != 1:
+        raise RowError(f"'choices' holds {len(choices)} replies to one prompt; keep one per row", "choices")
+    msg = choices[0].get("message")
+    if not isinstance(msg, dict):
+        raise RowError("choices[0] has no 'message' object", "choices[0].message")
+    return [_turn(msg, "choices[0].message", ("role", "content"), choices[0].get("finish_reason"))]
 
 
 class AmbiguousRow(Exception):
@@ -404,8 +455,9 @@ def _mapped_turns(row: object, fields) -> list[tuple[str, str]]:
     return turns
 
 
-def row_to_turns(row: object, fmt: str, fields=None) -> list[tuple[str, str]]:
-    """Convert one raw row of format ``fmt`` into a list of ``(role, text)`` turns (roles already normalised).
+def row_to_turns(row: object, fmt: str, fields=None) -> list[tuple[str, str] | Turn]:
+    """Convert one raw row of format ``fmt`` into a list of ``(role, text)`` turns (roles already normalised; a
+    :class:`Turn` where the layout can say how a reply ended).
 
     ``fields`` (:class:`~eyas.config.SourceFields`) names the prompt, reply and system columns and overrides the
     format. Raises :class:`RowError` (a counted skip) for a row that lacks what its format needs and
@@ -429,7 +481,7 @@ def row_to_turns(row: object, fmt: str, fields=None) -> list[tuple[str, str]]:
     if fmt == "sharegpt":
         return _turn_list(row, "conversations")
     if fmt == "openai":
-        return _turn_list(row, "messages")
+        return _turn_list(row, "messages") + _choice_turn(row)
     if fmt == "ultrachat":
         if "messages" in row:
             return _turn_list(row, "messages")
@@ -484,15 +536,17 @@ def is_blank(text: str) -> bool:
     return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
-def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter) -> list[Message]:
+def normalise_turns(turns: list[tuple[str, str] | Turn], where: str, skips: SkipCounter) -> list[Message]:
     """Apply the documented normalisation rules; every dropped or merged turn is counted in ``skips``.
 
     MT-bench style rows with several user turns and no assistant turn keep the user turns separate: they are later
-    regenerated turn by turn. In every other case consecutive same-role turns are merged.
+    regenerated turn by turn. In every other case consecutive same-role turns are merged (a merged reply ends as
+    its last part did: that part's finish reason).
     """
     msgs: list[Message] = []
-    only_users = all(r == "user" for r, _ in turns)
-    for j, (role, text) in enumerate(turns):
+    turns = [Turn(*t) for t in turns]
+    only_users = all(t.role == "user" for t in turns)
+    for j, (role, text, finish) in enumerate(turns):
         if is_blank(text):
             skips.add(SkipRecord(where, "empty turn dropped", f"turn {j}"))
             continue
@@ -507,9 +561,9 @@ def normalise_turns(turns: list[tuple[str, str]], where: str, skips: SkipCounter
             continue
         if msgs and msgs[-1].role == role and not (only_users and role == "user"):
             skips.add(SkipRecord(where, f"consecutive {role} turns merged", f"turn {j}"))
-            msgs[-1] = Message(role, msgs[-1].content + "\n\n" + text)
+            msgs[-1] = Message(role, msgs[-1].content + "\n\n" + text, finish_reason=finish)
             continue
-        msgs.append(Message(role, text))
+        msgs.append(Message(role, text, finish_reason=finish))
     return msgs
 
 

@@ -9,7 +9,8 @@ the stage appends and fsyncs) as soon as their last turn returns; an interrupted
 Conversations with the most user turns start first, so the long multi-turn ones do not form the tail of the run.
 
 A reply is kept exactly as the target produced it: its token ids (without the end-of-turn token) are stored with the
-message (``Message.token_ids``) and its text is their decoding with special tokens kept and no whitespace stripped,
+message (``Message.token_ids``), with how it ended (``finish_reason`` ``"stop"`` and the ``stop_token`` it ended on, or
+``"length"``: cut at ``max_new_tokens``), and its text is their decoding with special tokens kept and no whitespace stripped,
 so nothing the target emits (harmony channels, reasoning markers) is dropped or changed; a gpt-oss (harmony) reply
 is stored as its final answer with its analysis as ``reasoning_content``, the form its template renders
 (:func:`eyas.data.chat.split_harmony`).
@@ -152,11 +153,9 @@ class TurnScheduler:
         s: _Turns = res.key
         text = decode_in_context(self.tok, s.prompt_tail, res.token_ids)
         harmony = split_harmony(text)             # gpt-oss: reasoning and final answer, as its template takes them
-        if harmony is not None:
-            s.replies.append(Message("assistant", harmony[0], reasoning_content=harmony[1],
-                                     token_ids=list(res.token_ids)))
-        else:
-            s.replies.append(Message("assistant", text, token_ids=list(res.token_ids)))
+        content, reasoning = harmony if harmony is not None else (text, None)
+        s.replies.append(Message("assistant", content, reasoning_content=reasoning, token_ids=list(res.token_ids),
+                                 finish_reason=res.finish, stop_token=res.stop_token))
         self.finish[res.finish] += 1
         if len(s.replies) < s.n_users:
             self.follow_ups.append(s)

@@ -13,7 +13,9 @@ Contract
   carries a seed derived from ``generate.seed``, the sample id and the turn, so a re-run asks the same question the
   same way (vLLM honours per-request seeds).
 - A reply's ``content`` is kept exactly as the server returns it (no stripping: a reply's leading or trailing
-  whitespace is tokens the target emitted); its reasoning text (vLLM >= 0.10 ``message.reasoning``, older vLLM and
+  whitespace is tokens the target emitted), with its finish reason (``Message.finish_reason``: ``"length"`` for a
+  reply cut at ``max_tokens``, which tokenize trains without an end-of-turn token) and, where the server names it,
+  the stop token id; its reasoning text (vLLM >= 0.10 ``message.reasoning``, older vLLM and
   SGLang ``message.reasoning_content``; present only when the server runs a reasoning parser) is kept, as returned,
   as :attr:`eyas.records.Message.reasoning_content`; without a parser the reasoning stays inline in the content
   (``<think>...</think>``), which tokenize renders as the target's template does. Every request asks for
@@ -56,11 +58,13 @@ class ServerError(EyasError):
 @dataclass
 class ChatReply:
     """One generated assistant turn. ``finish_reason``: ``"stop"`` (end-of-turn/stop token) or ``"length"``
-    (``max_tokens`` reached), as the server reports it."""
+    (``max_tokens`` reached), as the server reports it; ``stop_token``: the token id it stopped on when the server
+    names one (vLLM's ``stop_reason`` for a stop token other than the model's EOS), else ``None``."""
 
     content: str
     reasoning: str | None
     finish_reason: str
+    stop_token: int | None = None
 
 
 @dataclass
@@ -189,7 +193,8 @@ class OpenAIChatGenerator:
                 result.skips.append(SkipRecord(where, f"turns from user turn {turn} on dropped, server refused: "
                                                       f"{msg}", "messages"))
                 break
-            reply = Message("assistant", r.content, r.reasoning)
+            reply = Message("assistant", r.content, r.reasoning, finish_reason=r.finish_reason,
+                            stop_token=r.stop_token)
             # Earlier replies go back as plain content, as a chat client sends them; the template decides what it
             # renders of earlier turns (Qwen3 drops their reasoning anyway).
             history.append({"role": "assistant", "content": r.content})
@@ -206,15 +211,20 @@ def reply_from_choice(choice) -> ChatReply:
     The reasoning text is vLLM's ``message.reasoning`` (vLLM >= 0.10; vllm/entrypoints/openai/chat_completion/
     protocol.py ``ChatMessage``) or ``message.reasoning_content`` (older vLLM, SGLang, DeepSeek's API): fields the
     ``openai`` client keeps in ``model_extra``. Both are kept as returned (whitespace included); an absent or empty
-    reasoning is ``None``.
+    reasoning is ``None``. ``finish_reason`` is ``"length"`` when the server says so, else ``"stop"``; the stop
+    token is vLLM's ``stop_reason`` when it is a token id (vllm/entrypoints/openai/chat_completion/protocol.py
+    ``ChatCompletionResponseChoice``: ``None`` for the model's EOS token, a string for a stop string).
     """
     msg = choice.message
     extra = msg.model_extra or {}
     reasoning = extra.get("reasoning") or extra.get("reasoning_content")
+    finish = "length" if choice.finish_reason == "length" else "stop"
+    stop_reason = (choice.model_extra or {}).get("stop_reason")
     return ChatReply(
         content=msg.content or "",
         reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
-        finish_reason="length" if choice.finish_reason == "length" else "stop",
+        finish_reason=finish,
+        stop_token=stop_reason if finish == "stop" and type(stop_reason) is int else None,
     )
 
 

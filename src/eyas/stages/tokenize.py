@@ -8,13 +8,20 @@ Each reply must re-tokenize to its own tokens inside the rendering (the reply ch
 conversation with a reply the template changes (rewritten, merged with the template's text, holding an end-of-turn
 token's text) is skipped and counted with the reason; replies whose only change is leading/trailing whitespace are
 kept and counted under ``reply_whitespace_changed``. Nothing is altered silently.
+
+A reply cut at the token limit (``finish_reason: length``, kept by generate and read from sources that say) gets no
+end-of-turn label: the template's end-of-turn token after it stays in ``input_ids`` with loss mask 0; such turns are
+counted in ``meta.json`` (``turns_cut_at_limit``), and assistant turns whose finish reason is unknown (older run
+folders, sources that do not say) under ``turns_finish_unknown``: those are trained as finished replies.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tqdm import tqdm
 
-from ..data.chat import ChatTemplateError, render_conversation
+from ..data.chat import ChatTemplateError, RenderedConversation, render_conversation
 from ..errors import DataError
 from ..io import JsonlAppender, sha256_bytes, write_json_atomic
 from ..records import SkipCounter, SkipRecord, TokenizedSample, read_conversations
@@ -40,6 +47,24 @@ def source_file(source: str | None) -> str:
     """The source a conversation came from, without its row: ``file:line``, ``file:row N``, ``name[split]:row N``
     and ``self-prompts:i`` lose their last ``:`` part."""
     return (source or "unknown").rsplit(":", 1)[0]
+
+
+def without_cut_turn_ends(messages, rendered) -> tuple[RenderedConversation, list[int]]:
+    """``(rendered, cut)``: ``rendered`` with the end-of-turn tokens after every reply cut at the token limit
+    (``Message.finish_reason == "length"``) out of its loss mask, and the indices of those messages.
+
+    Served, such a reply was cut where the target would have gone on: it never emitted the template's end-of-turn
+    token there, so the drafter must not learn to propose one (issue 19). The tokens stay in the input (the render
+    is as served: the next turn's prompt holds them). A reply of unknown finish reason is trained as finished."""
+    cut = [i for i, _, _ in rendered.turn_ends
+           if messages[i].role == "assistant" and messages[i].finish_reason == "length"]
+    if not cut:
+        return rendered, []
+    mask = list(rendered.loss_mask)
+    for i, t0, t1 in rendered.turn_ends:
+        if i in cut:
+            mask[t0:t1] = [0] * (t1 - t0)
+    return replace(rendered, loss_mask=mask), cut
 
 
 def with_emitted_tokens(messages, rendered) -> tuple[list[int], list[int], list[int]]:
@@ -79,7 +104,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
     skips = SkipCounter()
     whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
     emitted_kept = SkipCounter()  # replies whose emitted ids replaced their text's tokens
-    n = tokens = trained = truncated = 0
+    n = tokens = trained = truncated = cut_turns = unknown_finish = 0
     by_source: dict[str, dict[str, int]] = {}  # the mix as training sees it: samples and tokens per source file
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
@@ -99,6 +124,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
                 continue
             for i in r.reply_issues:
                 whitespace.add(SkipRecord(c.source or c.id, i.reason, f"messages[{i.message_index}]"))
+            r, cut = without_cut_turn_ends(c.messages, r)
             ids, mask, swapped = with_emitted_tokens(c.messages, r)
             for i in swapped:
                 emitted_kept.add(SkipRecord(c.source or c.id, "reply text tokenizes differently from the ids the "
@@ -112,6 +138,8 @@ def run(ctx: RunContext) -> TokenizeSummary:
                 continue
             w.append(TokenizedSample(c.id, ids, mask).to_json())
             n += 1
+            cut_turns += len(cut)
+            unknown_finish += sum(m.role == "assistant" and m.finish_reason is None for m in c.messages)
             tokens += len(ids)
             trained += sum(mask)
             mix = by_source.setdefault(source_file(c.source), {"samples": 0, "tokens": 0, "assistant_tokens": 0})
@@ -124,6 +152,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
         "replies_trained_as_emitted": emitted_kept.to_json(),
+        "turns_cut_at_limit": cut_turns, "turns_finish_unknown": unknown_finish,
         "mix": [{"source": k, **v, "assistant_tokens_share": round(v["assistant_tokens"] / max(trained, 1), 4)}
                 for k, v in by_source.items()],
     }
@@ -136,10 +165,14 @@ def run(ctx: RunContext) -> TokenizeSummary:
     if emitted_kept.total:
         ctx.log(f"[eyas] tokenize: {emitted_kept.total} replies whose text tokenizes differently from what the "
                 f"target emitted are trained on the emitted ids; listed in {ctx.run.tokenize_meta}")
+    if cut_turns:
+        ctx.log(f"[eyas] tokenize: {cut_turns} replies were cut at the token limit (finish reason 'length'): "
+                f"trained without an end-of-turn token, which the target never emitted there; counted in "
+                f"{ctx.run.tokenize_meta} (turns_cut_at_limit)")
     if n == 0:
         reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
         raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
                         f"{reasons}\n(examples in {ctx.run.tokenize_meta})")
     return TokenizeSummary(samples=n, tokens=tokens, assistant_tokens=trained, truncated=truncated,
                            skipped=skips.total, replies_whitespace_changed=whitespace.total,
-                           replies_trained_as_emitted=emitted_kept.total)
+                           replies_trained_as_emitted=emitted_kept.total, turns_cut_at_limit=cut_turns)
