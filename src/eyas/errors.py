@@ -7,6 +7,8 @@ prints these without a traceback. ``assert`` is kept for internal invariants onl
 
 from __future__ import annotations
 
+import errno
+
 
 class EyasError(Exception):
     """An error the user can act on. The message names what is wrong, where, and how to fix it."""
@@ -22,3 +24,19 @@ class DataError(EyasError):
 
 class StoreError(EyasError):
     """The hidden-state store is inconsistent, corrupt, or belongs to another run/configuration."""
+
+
+class DiskFullError(EyasError):
+    """A write failed because the disk (or the user's quota) is full. The message names what was being written,
+    what is kept, and that the same command resumes once space is freed."""
+
+
+# what libraries that wrap the OS error in their own type (safetensors, torch.save) still say
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """True for an ``OSError`` ENOSPC / EDQUOT, and for another library's error that says so in its message."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return not isinstance(e, EyasError) and any(t in str(e) for t in _DISK_FULL_TEXT)

@@ -105,9 +105,12 @@ class JsonlAppender:
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
+        """Flush, fsync and close; the file is closed even when the flush fails (a full disk), which is raised."""
         if not self._f.closed:
-            self.flush()
-            self._f.close()
+            try:
+                self.flush()
+            finally:
+                self._f.close()
 
     def __enter__(self) -> "JsonlAppender":
         return self

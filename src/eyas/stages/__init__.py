@@ -47,7 +47,7 @@ from pydantic import BaseModel
 
 from ..config import RunConfig
 from ..distributed import process_rank
-from ..errors import EyasError
+from ..errors import DiskFullError, EyasError, is_disk_full
 from ..families import check_run_servable
 from ..io import read_json, stable_hash, write_json_atomic, write_text_atomic
 from ..run_folder import STAGES, RunFolder
@@ -320,19 +320,41 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
         module.preflight(ctx)
     if fp_file.exists() and read_json(fp_file) != fp and not ctx.force:
         _check_fingerprint(ctx, stage, fp)        # raises, naming the changed fields
-    init_run_dir(ctx, ctx.argv)
-    _check_fingerprint(ctx, stage, fp)            # --force clears the stage and its dependents here
-    ctx.run.stage(stage).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(ctx.run.fingerprint_values(stage), fingerprint_values(ctx.cfg, stage))
-    write_json_atomic(fp_file, fp)
-    ctx.log(f"[eyas] {stage}: starting")
-    t0 = time.time()
-    summary = SUMMARIES[stage].model_validate(module.run(replace(ctx, fingerprint=fp)))
-    seconds = time.time() - t0
-    if process_rank() == 0:
-        write_json_atomic(ctx.run.done(stage), {"summary": summary.to_json(), "seconds": round(seconds, 2)})
+    try:
+        init_run_dir(ctx, ctx.argv)
+        _check_fingerprint(ctx, stage, fp)            # --force clears the stage and its dependents here
+        ctx.run.stage(stage).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(ctx.run.fingerprint_values(stage), fingerprint_values(ctx.cfg, stage))
+        write_json_atomic(fp_file, fp)
+        ctx.log(f"[eyas] {stage}: starting")
+        t0 = time.time()
+        summary = SUMMARIES[stage].model_validate(module.run(replace(ctx, fingerprint=fp)))
+        seconds = time.time() - t0
+        if process_rank() == 0:
+            write_json_atomic(ctx.run.done(stage), {"summary": summary.to_json(), "seconds": round(seconds, 2)})
+    except Exception as e:
+        if is_disk_full(e):
+            raise disk_full(ctx, stage, e) from None
+        raise
     ctx.log(f"[eyas] {stage}: done in {seconds:.1f} s")
     return summary
+
+
+def disk_full(ctx: RunContext, stage: str, e: BaseException) -> DiskFullError:
+    """A full disk met by a stage's writes, as one error (extract says more itself:
+    :func:`eyas.store.extraction.disk_full_error`): what failed, the free space left, and that the same command
+    resumes (files are committed whole, finished stages are skipped, committed work is resumed)."""
+    from ..plan import human_bytes
+    from ..store.space import disk_free
+
+    where, free = disk_free(ctx.run.root)
+    what = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}" + (
+        f", writing {e.filename}" if getattr(e, "filename", None) else "")
+    return DiskFullError(
+        f"{stage}: the disk is full ({what}) while writing the run folder {ctx.run.root}; the disk holding {where} "
+        f"has {human_bytes(free)} free. What was committed is kept: free space (or move run_dir) and run the same "
+        f"command again; finished stages are skipped and committed work (generated replies, stored hidden states, "
+        f"training checkpoints) is resumed.")
 
 
 def run_stages(ctx: RunContext, stages: list[str]) -> dict[str, Summary]:

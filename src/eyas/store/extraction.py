@@ -29,7 +29,7 @@ from ..batching import token_budget_batches
 from ..capture import make_backend
 from ..config import ExtractConfig, TargetConfig
 from ..distributed import Dist
-from ..errors import ConfigError, DataError, StoreError
+from ..errors import ConfigError, DataError, DiskFullError, StoreError, is_disk_full
 from ..records import TokenizedSample, read_tokenized
 from ..run_folder import RunFolder
 from ..summaries import ExtractSummary
@@ -37,7 +37,7 @@ from ..targets.load import resolve_device
 from .header import expected_header
 from .pipeline import BackgroundWriter
 from .shards import HiddenStateStore, StoreHeader
-from .space import check_disk_space, store_bytes_per_token
+from .space import SAMPLE_OVERHEAD_BYTES, check_disk_space, disk_free, store_bytes_per_token
 
 
 def plan_batches(samples: list[TokenizedSample], batch_tokens: int) -> list[list[TokenizedSample]]:
@@ -74,7 +74,12 @@ def extract_store(target: TargetConfig, extract: ExtractConfig, run: RunFolder,
         dist.barrier()
         if dist.rank != 0:
             store = HiddenStateStore.create_or_open(run.store, header)
-        stats = extract_missing(target, extract, store, samples, dist, log)
+        try:
+            stats = extract_missing(target, extract, store, samples, dist, log)
+        except Exception as e:
+            if is_disk_full(e):
+                raise disk_full_error(e, store, samples) from None
+            raise
         dist.barrier()  # every rank's samples are committed
         store.reload()
     finally:
@@ -92,11 +97,9 @@ def extract_store(target: TargetConfig, extract: ExtractConfig, run: RunFolder,
 
 def check_store_space(extract: ExtractConfig, run: RunFolder, header: StoreHeader, samples: list[TokenizedSample],
                       log: Callable[[str], None] = print) -> int:
-    """State the bytes extraction will write (the samples the store lacks, at the store's bytes per token, plus one
-    shard in flight per process) and refuse to start when the store's disk has less free space, unless
-    ``extract.ignore_disk_space``. Returns the bytes it will write. Raises :class:`StoreError` (names both sizes)."""
-    import os
-
+    """State the bytes extraction will write (the samples the store lacks: :func:`bytes_to_store`) and refuse to
+    start when the store's disk has less free space, unless ``extract.ignore_disk_space``. Returns the bytes it will
+    write. Raises :class:`StoreError` (names both sizes)."""
     from ..plan import human_bytes
 
     stored: set[str] = set()
@@ -108,12 +111,41 @@ def check_store_space(extract: ExtractConfig, run: RunFolder, header: StoreHeade
     todo = [s for s in samples if s.id not in stored]
     tokens = sum(s.num_tokens for s in todo)
     per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = tokens * per_token + (extract.shard_bytes * world if todo else 0)
+    need = bytes_to_store(header, todo)
     log(f"[eyas] extract: will write {human_bytes(need)} ({len(todo)} samples, {tokens:,} tokens x {per_token:,} "
-        f"bytes/token, plus one shard in flight per process) to {run.store}")
+        f"bytes/token, plus {SAMPLE_OVERHEAD_BYTES} bytes per sample of shard headers and manifest lines) to "
+        f"{run.store}")
     check_disk_space(need, run.store, ignore=extract.ignore_disk_space, what="extract", log=log)
     return need
+
+
+def bytes_to_store(header: StoreHeader, samples: list[TokenizedSample]) -> int:
+    """The bytes storing ``samples`` adds to a store with ``header``: their tokens at the store's bytes per token,
+    plus :data:`~eyas.store.space.SAMPLE_OVERHEAD_BYTES` per sample. A shard being written is the shard it will
+    be (written under a temporary name and renamed, never copied), and the in-memory buffers that fill shards are
+    not on disk, so nothing more is in flight."""
+    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    return sum(s.num_tokens for s in samples) * per_token + len(samples) * SAMPLE_OVERHEAD_BYTES
+
+
+def disk_full_error(e: BaseException, store: HiddenStateStore, samples: list[TokenizedSample]) -> DiskFullError:
+    """The one error a user sees when the disk fills while ``store`` is written: the store, the samples committed
+    (kept: every committed shard is whole and listed), the bytes still needed, and that the same command resumes."""
+    from ..plan import human_bytes
+
+    try:
+        store.reload()   # what every rank has committed so far
+    except StoreError:
+        pass
+    missing = [s for s in samples if s.id not in store]
+    need = bytes_to_store(store.header, missing)
+    where, free = disk_free(store.root)
+    cause = getattr(e, "strerror", None) or str(e)
+    return DiskFullError(
+        f"extract: the disk is full ({cause}) while writing the hidden-state store {store.root}: "
+        f"{len(samples) - len(missing)} of {len(samples)} samples are committed and kept; the other {len(missing)} "
+        f"need about {human_bytes(need)} ({need:,} bytes) more, and the disk holding {where} has {human_bytes(free)} "
+        f"free. Free space (or move run_dir) and run the same command again: it resumes from the committed samples.")
 
 
 def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenStateStore,

@@ -92,6 +92,10 @@ class BackgroundWriter:
         except BaseException as e:  # noqa: BLE001
             self.error = self.error or e
         self.committer.shutdown()
-        self.writer.close()  # samples already validated are committed even when a later one failed
+        try:
+            self.writer.close()  # samples already validated are committed even when a later one failed
+        except BaseException as e:  # noqa: BLE001 - after a failure (a full disk) this one fails too: keep the first
+            if self.error is None:
+                raise
         if self.error is not None:
             raise self.error

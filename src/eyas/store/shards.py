@@ -524,9 +524,11 @@ class ShardWriter:
         return self.write(taken) if taken else None
 
     def close(self) -> None:
-        """Commit what is buffered and close the manifest file."""
-        self.commit()
-        self.manifest.close()
+        """Commit what is buffered and close the manifest file (closed even when the commit fails)."""
+        try:
+            self.commit()
+        finally:
+            self.manifest.close()
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ cannot finish; ``eyas plan`` warns before that).
 Per token the store writes (:meth:`eyas.store.shards.ShardWriter.prepare`): ``input_ids`` as int32 (4 bytes), the
 ``L`` aux states (``L * H`` values in ``extract.dtype``, or ``L * H`` float8 values plus one float32 scale per layer
 with ``aux_format: float8_e4m3fn``) and the last state (``H`` values in ``extract.dtype``). Shard headers and
-manifest lines add a few hundred bytes per sample, not counted.
+manifest lines add a few hundred bytes per sample (:data:`SAMPLE_OVERHEAD_BYTES`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from ..dtypes import DTYPES
 from ..errors import StoreError
 
 ID_BYTES = 4  # input_ids are stored as int32
+# A sample's entries in its shard's safetensors header (3 or 4 tensors: name, dtype, shape, offsets) and in the
+# manifest line (id, tokens, sha256, shapes): about 500 bytes for Eyas's 16-character ids, rounded up.
+SAMPLE_OVERHEAD_BYTES = 640
 
 
 def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "bfloat16",
