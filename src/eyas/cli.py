@@ -16,7 +16,8 @@ from rich.table import Table
 
 from .config import load_config
 from .errors import EyasError
-from .run_folder import STAGES
+from .run_folder import STAGES, RunFolder
+from .run_lock import hold_run_folder
 from .stages import RunContext, run_stage, run_stages, stage_module, stage_seconds
 
 app = typer.Typer(
@@ -44,6 +45,12 @@ def _ctx(config: str, overrides: list[str] | None, force: bool, redo: frozenset[
                       log=lambda m: console.print(m, markup=False, highlight=False))
 
 
+def _writing(ctx: RunContext):
+    """The run folder's writer lock (:mod:`eyas.run_lock`), held while a command writes it: a second command on
+    the same run is refused before it writes anything, naming the holder."""
+    return hold_run_folder(ctx.run, ctx.argv or [], ctx.log)
+
+
 def _fail(e: Exception) -> None:
     console.print(f"[bold red]error:[/] {e}", highlight=False)
     raise typer.Exit(code=2)
@@ -57,7 +64,8 @@ def _stage_command(stage: str):
     ) -> None:
         try:
             ctx = _ctx(config, overrides, force, redo=frozenset({stage}))
-            summary = run_stage(ctx, stage)
+            with _writing(ctx):
+                summary = run_stage(ctx, stage)
             console.print_json(data=summary.to_json())
         except EyasError as e:
             _fail(e)
@@ -181,7 +189,8 @@ def run(
     try:
         ctx = _ctx(config, overrides, force)
         stages = [s for s in STAGES if not (s == "extract" and ctx.cfg.train.mode == "online")]
-        summaries = run_stages(ctx, stages)
+        with _writing(ctx):
+            summaries = run_stages(ctx, stages)
         print_summary(ctx, summaries)
     except EyasError as e:
         _fail(e)
@@ -210,17 +219,22 @@ def doctor(
 ) -> None:
     """Re-validate a hidden-state store (checksums, shapes, finiteness, token ids, layer ids); list missing,
     corrupt and foreign samples. Exit code 1 when problems remain."""
-    from .store.doctor import diagnose
+    from contextlib import nullcontext
+
+    from .store.doctor import diagnose, locate
     from .store.doctor import repair as repair_store
 
     log = lambda m: console.print(m, markup=False, highlight=False)  # noqa: E731
     try:
-        report = diagnose(path)
-        _print_doctor(report, as_json)
-        if repair and not report.clean:
-            report = repair_store(report, log=log)
-            log("[eyas] doctor: after repair")
+        run_dir = locate(path)[0] if repair else None
+        # --repair writes the store: it is the run's one writer, from the diagnosis it repairs from to the end
+        with hold_run_folder(RunFolder(run_dir), list(sys.argv), log) if run_dir is not None else nullcontext():
+            report = diagnose(path)
             _print_doctor(report, as_json)
+            if repair and not report.clean:
+                report = repair_store(report, log=log)
+                log("[eyas] doctor: after repair")
+                _print_doctor(report, as_json)
     except EyasError as e:
         _fail(e)
     if not report.clean:

@@ -2,6 +2,7 @@
 an artifact's path itself. Layout::
 
     run.json  config.yaml  environment.json    the run's id (made once), resolved config, versions and command line
+    writer.lock                                while a command writes the run: who (eyas.run_lock)
     <stage>/fingerprint.json  <stage>/done.json   per stage: the config it was made with, its summary when finished
     prepare/conversations.jsonl  report.json  token_lengths.png
     generate/conversations.jsonl  report.json
@@ -49,6 +50,12 @@ class RunFolder:
     @property
     def environment_json(self) -> Path:
         return self.root / "environment.json"
+
+    @property
+    def writer_lock(self) -> Path:
+        """Held (``flock``) by the one command writing this run folder, naming it (:mod:`eyas.run_lock`); present
+        only while a command runs, or after one was killed (then the next command takes it over)."""
+        return self.root / "writer.lock"
 
     def is_run(self) -> bool:
         """True when the folder has been initialised as a run (``run.json`` exists)."""
