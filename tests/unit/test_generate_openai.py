@@ -18,13 +18,23 @@ from eyas.stages import RunContext, run_stage
 from tiny import mark_done
 
 
-def _completion(message: dict, finish_reason: str) -> ChatCompletion:
+def _completion(message: dict, finish_reason: str, **choice) -> ChatCompletion:
     # The body vLLM 0.32 returns (vllm/entrypoints/openai/chat_completion/protocol.py), parsed by the openai client.
     return ChatCompletion.model_validate({
         "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish_reason,
-                     "logprobs": None}],
+                     "logprobs": None, **choice}],
     })
+
+
+def test_reply_keeps_how_it_ended():
+    """Issue 19: the finish reason goes with the reply, and vLLM's ``stop_reason`` as the stop token when it is a
+    token id (None for the model's EOS, a string for a stop string: no token to name)."""
+    cases = [(("length", None), ("length", None)), (("stop", None), ("stop", None)), (("stop", 7), ("stop", 7)),
+             (("stop", "</answer>"), ("stop", None)), (("tool_calls", None), ("stop", None))]
+    for (finish, stop_reason), want in cases:
+        r = reply_from_choice(_completion({"content": "x"}, finish, stop_reason=stop_reason).choices[0])
+        assert (r.finish_reason, r.stop_token) == want, (finish, stop_reason)
 
 
 def test_reply_keeps_reasoning_from_vllm_and_older_servers():

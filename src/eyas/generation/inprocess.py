@@ -9,11 +9,11 @@ the stage appends and fsyncs) as soon as their last turn returns; an interrupted
 Conversations with the most user turns start first, so the long multi-turn ones do not form the tail of the run.
 
 A reply is kept exactly as the target produced it: its token ids (without the end-of-turn token) are stored with the
-message (``Message.token_ids``), with how it ended (``finish_reason`` ``"stop"`` and the ``stop_token`` it ended on, or
-``"length"``: cut at ``max_new_tokens``), and its text is their decoding with special tokens kept and no whitespace stripped,
-so nothing the target emits (harmony channels, reasoning markers) is dropped or changed; a gpt-oss (harmony) reply
-is stored as its final answer with its analysis as ``reasoning_content``, the form its template renders
-(:func:`eyas.data.chat.split_harmony`).
+message (``Message.token_ids``) with how it ended (``finish_reason``: ``"stop"``, with the ``stop_token`` it ended
+on, or ``"length"``, cut at ``max_new_tokens``), and its text is their decoding with special tokens kept and no
+whitespace stripped, so nothing the target emits (harmony channels, reasoning markers) is dropped or changed; a
+gpt-oss (harmony) reply is stored as its final answer with its analysis as ``reasoning_content``, the form its
+template renders (:func:`eyas.data.chat.split_harmony`).
 
 Engines: :class:`eyas.generation.engine.SlotEngine` (continuous batching, CUDA graphs; Llama/Qwen layouts) or, for
 other models, :class:`GenerateEngine`, which calls ``model.generate`` on batches of ready prompts.

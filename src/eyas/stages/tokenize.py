@@ -104,7 +104,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
     skips = SkipCounter()
     whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
     emitted_kept = SkipCounter()  # replies whose emitted ids replaced their text's tokens
-    n = tokens = trained = truncated = cut_turns = unknown_finish = 0
+    n = tokens = trained = truncated = cut_turns = unknown_finish = unknown_regenerated = 0
     by_source: dict[str, dict[str, int]] = {}  # the mix as training sees it: samples and tokens per source file
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
@@ -139,7 +139,9 @@ def run(ctx: RunContext) -> TokenizeSummary:
             w.append(TokenizedSample(c.id, ids, mask).to_json())
             n += 1
             cut_turns += len(cut)
-            unknown_finish += sum(m.role == "assistant" and m.finish_reason is None for m in c.messages)
+            unknown = [m for m in c.messages if m.role == "assistant" and m.finish_reason is None]
+            unknown_finish += len(unknown)
+            unknown_regenerated += sum(m.token_ids is not None for m in unknown)   # in-process, before Eyas kept it
             tokens += len(ids)
             trained += sum(mask)
             mix = by_source.setdefault(source_file(c.source), {"samples": 0, "tokens": 0, "assistant_tokens": 0})
@@ -169,6 +171,10 @@ def run(ctx: RunContext) -> TokenizeSummary:
         ctx.log(f"[eyas] tokenize: {cut_turns} replies were cut at the token limit (finish reason 'length'): "
                 f"trained without an end-of-turn token, which the target never emitted there; counted in "
                 f"{ctx.run.tokenize_meta} (turns_cut_at_limit)")
+    if unknown_regenerated:
+        ctx.log(f"[eyas] tokenize: regenerated replies without a finish reason (generated before Eyas kept it): "
+                f"{unknown_regenerated}; their end-of-turn token is trained, also after a reply that was cut at "
+                f"generate.max_new_tokens; `eyas generate CONFIG --force` regenerates them with it")
     if n == 0:
         reasons = "\n".join(f"  {k} x {r}" for r, k in sorted(skips.counts.items(), key=lambda x: -x[1]))
         raise DataError(f"tokenize: none of the {len(convs)} conversations of {src} gave a training sample:\n"
