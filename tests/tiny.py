@@ -114,3 +114,50 @@ def mark_done(ctx, stage: str, summary: dict) -> None:
     ctx.run.fingerprint(stage).write_text(json.dumps(stage_fingerprint(ctx.cfg, stage)))
     ctx.run.fingerprint_values(stage).write_text(json.dumps(fingerprint_values(ctx.cfg, stage)))
     ctx.run.done(stage).write_text(json.dumps({"summary": summary, "seconds": 0}))
+
+
+def header_only_checkpoint(folder, tensors: dict[str, tuple[str, list[int]]], shards: int = 1) -> list:
+    """Safetensors files whose headers describe ``tensors`` (name -> (safetensors dtype, shape)) and whose data is
+    left as a hole (a sparse file: the apparent size is real, no disk block is written), over ``shards`` files
+    (``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json`` when more than one). For a target of
+    a real large shape whose weights only the header-reading checks touch. Returns the files' paths.
+
+    Format (safetensors README): little-endian u64 header length, the JSON header padded with spaces to a multiple
+    of 8 bytes, then the tensors' bytes back to back."""
+    import json
+    import struct
+    from pathlib import Path
+
+    size = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "F8_E4M3": 1}
+    names = list(tensors)
+    folder = Path(folder)
+    probe = folder / ".sparse-probe"
+    with open(probe, "wb") as f:  # a file system without holes would write every byte: stop before that
+        f.truncate(64 << 20)
+    sparse = probe.stat().st_blocks * 512 < (1 << 20)
+    probe.unlink()
+    if not sparse:
+        raise OSError(f"{folder}: this file system has no sparse files")
+    files, weight_map = [], {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for n in part:
+            dtype, shape = tensors[n]
+            nbytes = size[dtype]
+            for d in shape:
+                nbytes *= d
+            header[n] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[n] = fname
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = folder / fname
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+        files.append(path)
+    if shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files

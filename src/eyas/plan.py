@@ -21,6 +21,10 @@ are enough, so a 1T-parameter target can be planned on a laptop):
   (:mod:`eyas.store.space`).
 - training mode: offline (the store) or online (the target in the training job), whichever costs fewer GPU-hours
   for ``train.epochs`` (:func:`choose_mode`), online whenever the store would not fit the free disk.
+- the target's checkpoint, from its file headers (:func:`eyas.targets.weights.weights_problems`): each problem the
+  stages that load the weights would refuse (a tensor its config requires and no file holds, a file the index names
+  that is missing or unreadable) is a warning naming the file and the tensor. A folder without weights (config and
+  tokenizer only, enough to plan) gets a note.
 - prefill GPU-hours: ``tokens * 2 * active_parameters / (peak_flops * mfu)``, the standard dense-transformer
   estimate of 2 FLOPs per active parameter per token (the attention score term, about ``4 * layers * T * width``
   per token, is left out: under 10% at T = 2048 for the families here). Active parameters are counted from the
@@ -42,6 +46,7 @@ from .families import check_run_servable, default_aux_layer_ids, family_of, text
 from .records import SkipCounter
 from .store.space import ID_BYTES, disk_free, hidden_state_bytes_per_token, store_bytes_per_token
 from .targets.load import load_tokenizer, materialize_target, read_target_config
+from .targets.weights import has_weights, weights_problems
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s (NVIDIA H200 datasheet, without sparsity)
 DEFAULT_MFU = 0.35
@@ -254,6 +259,7 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
     fam = family_of(tcfg)
     N, H, V = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
     layer_ids = cfg.extract.layer_ids or default_aux_layer_ids(N, tcfg)
+    weight_notes, weight_warnings = _weights(cfg, tcfg)
     tok = _tokenizer(cfg)
     counts, skipped, n_samples = _sample_tokens(cfg, tok, sample)
     if not counts:
@@ -277,7 +283,9 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         notes.append(f"generate.enabled: assistant turns counted at most {cfg.generate.max_new_tokens + 1} tokens")
     if skipped:
         notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
+    notes += weight_notes
     store, store_bytes, free, cheaper, warnings = _store_fit(cfg, H, L, counts, n_samples)
+    warnings = weight_warnings + warnings
     store_kind = "fp8" if cfg.extract.aux_format == "float8_e4m3fn" else "bfloat16"
     mode = choose_mode(cfg, tcfg, L, dataset_tokens, per_tok[store_kind], prefill_tokens_per_s, peak_flops, free)
     return Plan(
@@ -295,6 +303,18 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
         store_path=str(store), store_bytes=store_bytes, store_free_bytes=free, cheaper=cheaper, warnings=warnings,
         notes=notes,
     )
+
+
+def _weights(cfg: RunConfig, tcfg: dict) -> tuple[list[str], list[str]]:
+    """(notes, warnings) on the target's checkpoint: planning needs no weights, so a folder without them is a note;
+    one that is there but would be refused by the stages that load it is a warning per problem."""
+    folder = materialize_target(cfg.target)
+    if not has_weights(folder):
+        return [f"target weights not checked: {folder} holds no weights file (config.json and a tokenizer are "
+                f"enough to plan); the stages that load the target refuse to start until they are there"], []
+    _, problems = weights_problems(folder, tcfg, cfg.target.trust_remote_code)
+    return [], [f"target weights: {p} (the stages that load the target refuse it until this is fixed)"
+                for p in problems]
 
 
 def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int):

@@ -2,7 +2,8 @@
 
 Every stage module has ``run(ctx) -> summary``, optionally ``preflight(ctx)`` (checks of its inputs' content, run
 before anything is written), ``check_config(ctx)`` (checks :func:`run_stages` makes before the first stage of a
-whole run, e.g. that evaluate's prompt files exist) and ``required_inputs(cfg)``, and two declarations:
+whole run, e.g. that evaluate's prompt files exist), ``required_inputs(cfg)`` and ``reads_target_weights(cfg)``
+(whether it loads the target's weights with this configuration; absent: it never does), and two declarations:
 - ``READS``: the config sections (``"train"``) and fields (``"tokenize.chat_template_kwargs"``) its code reads,
   directly or through the library functions it calls (``tests/e2e/test_fingerprints.py`` runs every stage with a
   config that records what is read and fails on anything undeclared);
@@ -22,6 +23,12 @@ Before a stage starts, every input it needs (:func:`required_inputs`) must have 
 in force: a missing or stale input is refused, naming the input, the changed fields and the command that rebuilds
 it; ``force`` redoes only the stage asked for, never a stale input behind it. Nothing is written by a refused
 command: the run folder's ``run.json``, ``config.yaml`` and ``environment.json`` are written when a stage starts.
+
+A stage that loads the target's weights first checks that its checkpoint holds every tensor its config requires and
+that every file it names is there and readable, from the file headers only (:func:`eyas.targets.weights.check_target`;
+a GGUF or llama2.c target as the folder it is converted to); ``eyas run`` checks once before its first stage when any
+stage it will run loads them. A stage that reads only the target's config or tokenizer (a served target: generate
+through a server, a folder of config and tokenizer files) does not check the weights.
 
 Only the CLI (:mod:`eyas.cli`) imports this package; what stages share lives in library modules.
 """
@@ -53,6 +60,7 @@ from ..io import read_json, stable_hash, write_json_atomic, write_text_atomic
 from ..run_folder import STAGES, RunFolder
 from ..summaries import SUMMARIES, Summary, read_done, read_summary
 from ..targets.load import read_target_config
+from ..targets.weights import check_target
 
 # Stages that first refuse a run no engine would serve (extract.layer_ids, vocab.draft_vocab_size, export.formats,
 # evaluate.engine against the target: eyas.families.check_run_servable); a check, not an input of their outputs.
@@ -208,6 +216,13 @@ def required_inputs(stage: str, cfg: RunConfig) -> tuple[str, ...]:
     return tuple(pick(cfg)) if pick else tuple(mod.INPUTS)
 
 
+def reads_target_weights(stage: str, cfg: RunConfig) -> bool:
+    """Whether ``stage`` loads the target's weights with this configuration (its module's
+    ``reads_target_weights(cfg)``; a module without one reads only the target's config and tokenizer)."""
+    pick = getattr(stage_module(stage), "reads_target_weights", None)
+    return bool(pick(cfg)) if pick else False
+
+
 def check_inputs(ctx: RunContext, stage: str) -> None:
     """Refuse to start ``stage`` unless every input it reads finished with the configuration in force: an input
     that has not finished, or whose folder was made with other settings (fields named), is an
@@ -316,6 +331,8 @@ def run_stage(ctx: RunContext, stage: str) -> Summary:
     check_inputs(ctx, stage)
     if stage in SERVABILITY_CHECKED:   # what no engine serves is refused before the stage does any work
         check_run_servable(ctx.cfg, read_target_config(ctx.cfg.target), ctx.log)
+    if reads_target_weights(stage, ctx.cfg):   # headers only: a missing tensor or shard before the weights load
+        check_target(ctx.cfg.target, f"{stage} loads its weights")
     if hasattr(module, "preflight"):   # the stage's own checks of its inputs' content (train: the store)
         module.preflight(ctx)
     if fp_file.exists() and read_json(fp_file) != fp and not ctx.force:
@@ -359,11 +376,17 @@ def disk_full(ctx: RunContext, stage: str, e: BaseException) -> DiskFullError:
 
 def run_stages(ctx: RunContext, stages: list[str]) -> dict[str, Summary]:
     """Run ``stages`` in order (``eyas run``), after every one that will run (not :func:`is_current`) has checked
-    its configuration (``check_config``), so what would fail at the last stage fails before the first."""
-    for stage in stages:
+    its configuration (``check_config``) and, when one of them loads the target's weights, the target's checkpoint
+    has been checked, so what would fail at the last stage fails before the first."""
+    to_run = [s for s in stages if not is_current(ctx, s, stage_fingerprint(ctx.cfg, s))]
+    for stage in to_run:
         module = stage_module(stage)
-        if hasattr(module, "check_config") and not is_current(ctx, stage, stage_fingerprint(ctx.cfg, stage)):
+        if hasattr(module, "check_config"):
             module.check_config(ctx)
+    loading = [s for s in to_run if reads_target_weights(s, ctx.cfg)]
+    if loading:   # a broken checkpoint is refused before prepare, not at extract
+        names = ", ".join(loading[:-1]) + f" and {loading[-1]}" if len(loading) > 1 else loading[0]
+        check_target(ctx.cfg.target, f"{names} will load its weights")
     return {s: run_stage(ctx, s) for s in stages}
 
 

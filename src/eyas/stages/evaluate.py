@@ -47,6 +47,11 @@ INPUTS = ("export",)
 BASELINES = ("ngram", "suffix")
 
 
+def reads_target_weights(cfg) -> bool:
+    """Both engines run the target from its folder (the reference decoder and vLLM)."""
+    return True
+
+
 def load_sets(ctx: RunContext) -> dict[str, list[tuple[str, list[str]]]]:
     """set name -> [(conversation id, user turns)] from ``evaluate.prompts`` and ``evaluate.benchmarks``."""
     return {name: [(cid, turns) for cid, turns, _ in rows] for name, rows in _read_sets(ctx).items()}

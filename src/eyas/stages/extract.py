@@ -16,6 +16,11 @@ READS = ("extract", "target")
 INPUTS = ("tokenize",)
 
 
+def reads_target_weights(cfg) -> bool:
+    """Both capture backends (transformers, vLLM) load the target's weights from its folder."""
+    return True
+
+
 def run(ctx: RunContext) -> ExtractSummary:
     """Capture every tokenized sample the store lacks; see :func:`eyas.store.extraction.extract_store`."""
     return extract_store(ctx.cfg.target, ctx.cfg.extract, ctx.run, ctx.log)

@@ -38,6 +38,11 @@ READS = ("generate", "target", "tokenize.chat_template_kwargs", "tokenize.max_le
 INPUTS = ("prepare",)
 
 
+def reads_target_weights(cfg) -> bool:
+    """The in-process backend loads the target; a server (backend openai) serves its own copy of the weights."""
+    return cfg.generate.enabled and cfg.generate.backend == "transformers"
+
+
 def run(ctx: RunContext) -> dict:
     cfg = ctx.cfg.generate
     out_path = ctx.run.generated

@@ -39,6 +39,11 @@ READS = ("train", "target", "extract")
 INPUTS = ("tokenize", "vocab", "extract")
 
 
+def reads_target_weights(cfg) -> bool:
+    """The target's embedding and lm_head (both modes; online training loads the whole target too)."""
+    return True
+
+
 def required_inputs(cfg) -> tuple[str, ...]:
     """Online training reads no store: the extract stage is not needed then."""
     return INPUTS if cfg.train.mode == "offline" else tuple(s for s in INPUTS if s != "extract")

@@ -35,6 +35,7 @@ from ..dtypes import DTYPES
 from ..errors import EyasError
 from ..io import iter_jsonl, read_json, split_jsonl, write_json_atomic, write_text_atomic
 from ..run_folder import RunFolder
+from ..targets.weights import check_target
 from .extraction import extract_store
 from .fp8 import fp8_has_nan
 from .header import expected_header
@@ -236,6 +237,9 @@ def repair(report: DoctorReport, log=print) -> DoctorReport:
     if report.run_dir is None:
         raise EyasError(f"{report.store}: --repair needs the run directory the store belongs to "
                         f"(its tokenized dataset and config); this store is not inside one")
+    run = RunFolder(report.run_dir)
+    cfg = load_config(run.config_yaml)
+    check_target(cfg.target, "doctor --repair loads its weights to re-extract")   # before anything is rewritten
     root = report.store
     if report.store_foreign:
         log(f"[eyas] doctor: {root} belongs to another run or configuration: removing it to re-extract")
@@ -264,8 +268,6 @@ def repair(report: DoctorReport, log=print) -> DoctorReport:
         log(f"[eyas] doctor: manifest rewritten without {c['corrupt'] + c['foreign'] + c['stale'] + c['duplicate']} "
             f"bad findings, {len(report.orphan_files)} unlisted files deleted; re-extracting {c['missing']} "
             f"missing samples")
-    run = RunFolder(report.run_dir)
-    cfg = load_config(run.config_yaml)
     summary = extract_store(cfg.target, cfg.extract, run, log)
     if run.done("extract").exists():
         write_json_atomic(run.done("extract"), {**read_json(run.done("extract")), "summary": summary.to_json()})

@@ -146,25 +146,21 @@ def read_target_config(cfg: TargetConfig) -> dict:
 
 
 def load_target_head(cfg: TargetConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and lm_head weights, each fp32 [V, Ht], read from its safetensors without
-    loading the rest of the model. A tied model returns the embedding twice.
+    """The target's input embedding and lm_head weights, each fp32 [V, Ht], read from the safetensors files that
+    hold them without loading the rest of the model. A tied model returns the embedding twice.
 
-    Raises :class:`ConfigError` when the folder has no safetensors weights or lacks the embedding.
+    Raises :class:`ConfigError` when the checkpoint does not hold what its config requires
+    (:func:`eyas.targets.weights.check_target`: no weights, a missing or unreadable shard, no embedding, no
+    lm_head although the config says it is not tied).
     """
     from safetensors import safe_open
 
-    path = materialize_target(cfg)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path}: no .safetensors weights (Eyas reads targets only from safetensors)")
-    wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in wanted:
-                if k in h.keys():
-                    wanted[k] = h.get_tensor(k).float()
-    embed = wanted["model.embed_tokens.weight"]
-    if embed is None:
-        raise ConfigError(f"{path}: no model.embed_tokens.weight in its safetensors")
-    head = wanted["lm_head.weight"]
-    return embed, head if head is not None else embed
+    from .weights import EMBED, LM_HEAD, check_target
+
+    w = check_target(cfg, "its embedding and lm_head are read")
+    out = {}
+    for name in (EMBED, LM_HEAD):
+        if name in w.tensors:
+            with safe_open(str(w.folder / w.tensors[name]), framework="pt") as h:
+                out[name] = h.get_tensor(name).float()
+    return out[EMBED], out.get(LM_HEAD, out[EMBED])
