@@ -5,7 +5,8 @@
 - :class:`SkipRecord`: a dropped row or turn, with file, line and reason; every stage reports them.
 
 Sample ids are stable: a hash of the normalised content (roles and texts of the user/system turns, plus assistant
-turns as read from the source), so a re-run of prepare on the same data gives the same ids and de-duplicates.
+turns as read from the source, with their reasoning where they carry one), so a re-run of prepare on the same data
+gives the same ids and de-duplicates.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass
 class Message:
-    """One turn. ``token_ids``: a regenerated reply's exact token ids as the target emitted them (without the
+    """One turn. ``reasoning_content``: an assistant reply's reasoning, apart from its answer (``content``), as a
+    dataset row (``reasoning_content`` or ``reasoning``) or a server with a reasoning parser gives it; the chat
+    template decides where it is rendered (Qwen3: a ``<think>`` block, for turns after the last user turn).
+    ``token_ids``: a regenerated reply's exact token ids as the target emitted them (without the
     end-of-turn token), kept beside its text so later stages can check that the text renders back to them.
 
     How an assistant reply ended, where known: ``finish_reason`` is ``"stop"`` (the target ended it; ``stop_token``
@@ -67,7 +71,10 @@ class Conversation:
 
     @staticmethod
     def make_id(messages: list[Message]) -> str:
-        return stable_hash([[m.role, m.content] for m in messages], n=16)
+        """The sample id: a hash of roles and texts, and of a turn's reasoning where it has one (so the same answer
+        with other reasoning is another sample, and ids of conversations without reasoning are as before)."""
+        return stable_hash([[m.role, m.content] + ([m.reasoning_content] if m.reasoning_content else [])
+                            for m in messages], n=16)
 
     def to_json(self) -> dict:
         return {"id": self.id, "source": self.source, "messages": [m.to_json() for m in self.messages]}

@@ -74,6 +74,7 @@ __all__ = [
     "render_conversation",
     "render_prompt",
     "split_harmony",
+    "split_inline_reasoning",
 ]
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -121,6 +122,10 @@ class RenderedConversation:
         turn_ends: ``(message index, t0, t1)`` per located assistant turn: ``input_ids[t0:t1]`` are the trained
             tokens of its span after its answer text, the end-of-turn token(s) the template writes (SmolLM2's
             ``<|im_end|>``); ``tokenize`` takes them out of the mask for a reply cut at the token limit.
+        reasoning_turns: ``(message index, rendered)`` per assistant turn that carries reasoning (its
+            ``reasoning_content``, or a ``<think>`` block in its content): ``rendered`` when that reasoning lies in
+            the turn's trained span, False where the template leaves it out (Qwen3's turns before the last user
+            turn, templates that never render reasoning); ``tokenize`` counts both.
     """
 
     text: str
@@ -130,6 +135,7 @@ class RenderedConversation:
     reply_issues: tuple[ReplyIssue, ...] = ()
     reply_tokens: tuple[tuple[int, int, int], ...] = ()
     turn_ends: tuple[tuple[int, int, int], ...] = ()
+    reasoning_turns: tuple[tuple[int, bool], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,24 +202,30 @@ def _normalise(messages: Sequence[dict], template: str) -> list[dict]:
     return out
 
 
-def _split_inline_reasoning(messages: list[dict]) -> list[dict] | None:
-    """Messages with inline reasoning moved to ``reasoning_content``, or None when no reply has it.
+def split_inline_reasoning(content: str) -> tuple[str, str] | None:
+    """``(reasoning, answer)`` of a reply that writes its reasoning inline in its content, or None when the content
+    holds no closing tag.
 
-    For an assistant message without ``reasoning_content`` whose content holds a closing tag: the reasoning is the
-    text between the opening tag (or the start) and the first closing tag, ``"\\n"`` stripped at both ends; the
-    answer is the text after the last closing tag with leading ``"\\n"`` stripped (how Qwen3's template splits it).
-    """
+    The reasoning is the text between the opening tag (or the start: the opening tag may sit in the generation
+    prompt) and the first closing tag, ``"\\n"`` stripped at both ends; the answer is the text after the last closing
+    tag with leading ``"\\n"`` stripped: how Qwen3's template splits a reply that has no ``reasoning_content``."""
+    for open_tag, close_tag in _REASONING_TAGS:
+        if close_tag in content:
+            head = content.split(close_tag)[0]
+            return head.split(open_tag)[-1].strip("\n"), content.split(close_tag)[-1].lstrip("\n")
+    return None
+
+
+def _split_inline_reasoning(messages: list[dict]) -> list[dict] | None:
+    """Messages with inline reasoning moved to ``reasoning_content`` (:func:`split_inline_reasoning`), or None
+    when no assistant message without ``reasoning_content`` has it."""
     out, changed = [], False
     for m in messages:
-        content = m.get("content") or ""
         if m["role"] == "assistant" and m.get("reasoning_content") is None:
-            for open_tag, close_tag in _REASONING_TAGS:
-                if close_tag in content:
-                    head = content.split(close_tag)[0]
-                    m = {**m, "reasoning_content": head.split(open_tag)[-1].strip("\n"),
-                         "content": content.split(close_tag)[-1].lstrip("\n")}
-                    changed = True
-                    break
+            split = split_inline_reasoning(m.get("content") or "")
+            if split is not None:
+                m = {**m, "reasoning_content": split[0], "content": split[1]}
+                changed = True
         out.append(m)
     return out if changed else None
 
@@ -582,7 +594,24 @@ def render_conversation(
     issues = tuple(_reply_issues(text, offsets, spans, msgs, eots))
     return RenderedConversation(text=text, input_ids=ids, loss_mask=mask, assistant_spans=char_spans,
                                 reply_issues=issues, reply_tokens=tuple(_reply_tokens(text, offsets, spans, msgs)),
-                                turn_ends=tuple(_turn_ends(text, offsets, mask, spans, msgs, eots)))
+                                turn_ends=tuple(_turn_ends(text, offsets, mask, spans, msgs, eots)),
+                                reasoning_turns=tuple(_reasoning_turns(text, spans, msgs)))
+
+
+def _reasoning_turns(text: str, spans: list[AssistantSpan], msgs: list[dict]):
+    """``(message index, rendered)`` per assistant message that carries reasoning (``reasoning_content``,
+    ``thinking`` or an inline ``<think>`` block): whether that reasoning lies verbatim (trimmed) in its
+    turn's trained span (in any span when the spans cannot be matched to messages: ``{% generation %}`` blocks
+    that do not pair with the assistant messages)."""
+    by_index = {sp.message_index: text[sp.start:sp.end] for sp in spans if sp.message_index >= 0}
+    trained = [text[sp.start:sp.end] for sp in spans]
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        inline = split_inline_reasoning(m.get("content") or "")
+        reasoning = (m.get("reasoning_content") or m.get("thinking") or (inline[0] if inline else "")).strip()
+        if reasoning:
+            yield i, any(reasoning in s for s in ([by_index[i]] if i in by_index else trained))
 
 
 def _reply_tokens(text: str, offsets, spans: list[AssistantSpan], msgs: list[dict]):

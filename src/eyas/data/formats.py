@@ -6,7 +6,9 @@ Formats (``SourceConfig.format``; ``auto`` detects per row from its fields):
   (either field may hold either turn layout: ``{"from", "value"}`` or ``{"role", "content"}``, the latter's
   content a string or a list of ``{"type": "text", "text": str}`` parts), optionally with the logged answer
   ``"choices": [{"message": {...}, "finish_reason": ...}]`` as the last reply; an assistant turn's
-  ``finish_reason`` (its own or its choice's) is kept: ``length`` marks a reply cut at the token limit
+  ``finish_reason`` (its own or its choice's) is kept: ``length`` marks a reply cut at the token limit; so is its
+  reasoning, ``reasoning_content`` or ``reasoning`` (as servers name it; in either turn layout), which tokenize
+  renders as the target's template does
 - ``ultrachat``: ``{"messages": [...]}`` as openai, or ``{"data": [user, assistant, user, ...]}``
 - ``alpaca``:   ``{"instruction": str, "input": str, "output": str}`` (input appended to the instruction)
 - ``gsm8k``:    ``{"question": str, "answer": str}``
@@ -26,7 +28,11 @@ Normalisation rules (each counted in the prepare report):
 - empty turns (nothing but whitespace or invisible format characters such as U+200B) are dropped;
 - leading assistant turns (a conversation that starts with the assistant) are dropped;
 - a system turn is kept when it comes first; later system turns are dropped;
-- consecutive turns of the same role are merged, joined by a blank line;
+- consecutive turns of the same role are merged, joined by a blank line (their reasoning too);
+- an assistant turn's reasoning (``reasoning_content`` or ``reasoning``) is kept as given; a turn whose two fields
+  differ, or whose reasoning field and inline ``<think>...</think>`` block in its content differ, skips the row
+  (which one did the model emit?); when the two are the same, the inline copy is removed from the content; reasoning
+  on a user or system turn is dropped; an assistant turn with reasoning but no answer is dropped;
 - a row with no user turn left is skipped;
 - text is kept byte for byte otherwise: no Unicode normalisation, no trimming, no length limit (long turns are
   truncated by tokenize at ``tokenize.max_length`` tokens, and counted there).
@@ -45,6 +51,7 @@ from typing import NamedTuple
 from ..config import SourceConfig, resolve_path
 from ..errors import DataError
 from ..records import Conversation, Message, SkipCounter, SkipRecord
+from .chat import split_inline_reasoning
 
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -356,12 +363,45 @@ def _text_of(value, where: str) -> str:
 
 
 class Turn(NamedTuple):
-    """One turn as a row gives it: the normalised role, the text and, for an assistant turn of a row that says,
-    how the reply ended (:func:`finish_reason_of`); the readers of layouts that never say give ``(role, text)``."""
+    """One turn as a row gives it: the normalised role, the text and, for a turn of a row that says, how the reply
+    ended (:func:`finish_reason_of`) and its reasoning text (:func:`reasoning_of`); the readers of layouts that never
+    say give ``(role, text)``."""
 
     role: str
     text: str
     finish_reason: str | None = None
+    reasoning: str | None = None
+
+
+# Where a message carries its reasoning, as servers return it: ``reasoning_content`` (SGLang, DeepSeek's API, vLLM
+# before 0.10; what chat templates read) and ``reasoning`` (vLLM >= 0.10 ``ChatMessage``). The first name wins.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+INLINE_COPY_REMOVED = "reasoning both in its field and inline in the content (identical): the inline copy removed"
+NO_ANSWER = "assistant turn with reasoning but no answer dropped (its reasoning with it)"
+
+
+def reasoning_of(t: dict, where: str, role: str, text: str) -> str | None:
+    """A turn's reasoning: its ``reasoning_content`` or ``reasoning`` field (a string or text parts, kept as given),
+    None when both are absent or blank.
+
+    Raises :class:`RowError` for an assistant turn whose two fields differ, or whose reasoning field and inline
+    ``<think>...</think>`` block in its content (:func:`~eyas.data.chat.split_inline_reasoning`) differ: which one
+    the model emitted cannot be told, and rendered together they are a reply no model writes."""
+    found = {k: _text_of(t[k], f"{where}.{k}") for k in REASONING_FIELDS if t.get(k) is not None}
+    found = {k: v for k, v in found.items() if not is_blank(v)}
+    if not found:
+        return None
+    key, reasoning = next(iter(found.items()))
+    if role != "assistant":
+        return reasoning   # dropped by normalise_turns, counted
+    if len({v.strip() for v in found.values()}) > 1:
+        raise RowError("assistant turn has both 'reasoning' and 'reasoning_content', and they differ; keep one",
+                       f"{where}.reasoning")
+    inline = split_inline_reasoning(text)
+    if inline is not None and inline[0].strip() != reasoning.strip():
+        raise RowError(f"assistant turn holds reasoning both in '{key}' and inline in its content "
+                       f"(<think>...</think>), and they differ; keep one", f"{where}.{key}")
+    return reasoning
 
 
 # A reply's end as OpenAI-style rows write it (a message's or a choice's ``finish_reason``): cut at the token limit
@@ -404,7 +444,7 @@ def _turn(t: dict, where: str, layout: tuple[str, str], finish=None) -> Turn:
     if norm is None:
         raise RowError(f"unknown role '{role}'", f"{where}.{role_key}")
     finish = finish_reason_of(t.get("finish_reason", finish)) if norm == "assistant" else None
-    return Turn(norm, text, finish)
+    return Turn(norm, text, finish, reasoning_of(t, where, norm, text))
 
 
 def _choice_turn(row: dict) -> list[Turn]:
@@ -541,14 +581,20 @@ def normalise_turns(turns: list[tuple[str, str] | Turn], where: str, skips: Skip
 
     MT-bench style rows with several user turns and no assistant turn keep the user turns separate: they are later
     regenerated turn by turn. In every other case consecutive same-role turns are merged (a merged reply ends as
-    its last part did: that part's finish reason).
+    its last part did: that part's finish reason; the parts' reasoning is joined by a blank line).
     """
     msgs: list[Message] = []
     turns = [Turn(*t) for t in turns]
     only_users = all(t.role == "user" for t in turns)
-    for j, (role, text, finish) in enumerate(turns):
+    for j, (role, text, finish, reasoning) in enumerate(turns):
+        if reasoning is not None and role != "assistant":
+            skips.add(SkipRecord(where, f"reasoning on a {role} turn dropped", f"turn {j}"))
+            reasoning = None
+        if reasoning is not None and (inline := split_inline_reasoning(text)) is not None:
+            skips.add(SkipRecord(where, INLINE_COPY_REMOVED, f"turn {j}"))   # reasoning_of: the two are the same
+            text = inline[1]
         if is_blank(text):
-            skips.add(SkipRecord(where, "empty turn dropped", f"turn {j}"))
+            skips.add(SkipRecord(where, "empty turn dropped" if reasoning is None else NO_ANSWER, f"turn {j}"))
             continue
         if role == "system":
             if msgs:
@@ -561,10 +607,23 @@ def normalise_turns(turns: list[tuple[str, str] | Turn], where: str, skips: Skip
             continue
         if msgs and msgs[-1].role == role and not (only_users and role == "user"):
             skips.add(SkipRecord(where, f"consecutive {role} turns merged", f"turn {j}"))
-            msgs[-1] = Message(role, msgs[-1].content + "\n\n" + text, finish_reason=finish)
+            prev = msgs[-1]
+            joined = "\n\n".join(r for r in (prev.reasoning_content, reasoning) if r) or None
+            msgs[-1] = Message(role, prev.content + "\n\n" + text, reasoning_content=joined, finish_reason=finish)
             continue
-        msgs.append(Message(role, text, finish_reason=finish))
+        msgs.append(Message(role, text, reasoning_content=reasoning, finish_reason=finish))
     return msgs
+
+
+def reasoning_kind(m: Message) -> str | None:
+    """Where an assistant message carries its reasoning: ``"field"`` (``reasoning_content``), ``"inline"`` (a
+    ``<think>`` block with text in its content, which the template parses, or renders verbatim), or None."""
+    if m.role != "assistant":
+        return None
+    if m.reasoning_content:
+        return "field"
+    inline = split_inline_reasoning(m.content)
+    return "inline" if inline is not None and not is_blank(inline[0]) else None
 
 
 def source_rows(src: SourceConfig) -> Iterator[tuple[RawRow | None, SkipRecord | None]]:

@@ -5,11 +5,12 @@ and ``prepare/token_lengths.png``.
 
 The report, per source: ``rows_read == rows_kept + rows_skipped`` (duplicates of an earlier sample and rows over
 ``prepare.max_samples`` count as skipped, each with its reason in ``skipped_by_reason``), turns written by role,
-turn-level changes (empty turns dropped, same-role turns merged, leading assistant turns dropped) and token-length
-statistics; ``totals`` sums the sources and ``totals.rows_kept == samples``. Examples of every skip and change
-name their file:line (or ``file:row N``) and field under ``skips``. A source that yields no conversation is listed
-under ``empty_sources`` and warned about; when no source yields one, the stage fails (:class:`DataError`) with each
-source's counts and skip reasons, instead of handing nothing to the stages after it.
+turn-level changes (empty turns dropped, same-role turns merged, leading assistant turns dropped), the assistant
+turns that carry reasoning (``reasoning``: in a ``reasoning_content``/``reasoning`` field, or inline as a ``<think>``
+block in the content) and token-length statistics; ``totals`` sums the sources and ``totals.rows_kept == samples``.
+Examples of every skip and change name their file:line (or ``file:row N``) and field under ``skips``. A source that
+yields no conversation is listed under ``empty_sources`` and warned about; when no source yields one, the stage fails
+(:class:`DataError`) with each source's counts and skip reasons, instead of handing nothing to the stages after it.
 
 Token lengths are counted here, with the target's own tokenizer (it loads in about a second; a GGUF target is
 converted once, as generate needs it anyway): per conversation, the tokens of its turns' texts without the chat
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 
-from ..data.formats import load_source
+from ..data.formats import load_source, reasoning_kind
 from ..data.mix import NearDuplicateFilter, NgramIndex, choose, language_filter
 from ..errors import DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
@@ -40,6 +41,11 @@ NEAR_DUPLICATE = "near-duplicate of an earlier conversation (prepare.near_duplic
 MIX = "left out by the source's weight or caps (the mix)"
 SELF = "self-prompts (written by the target)"
 OVER_MAX = "over prepare.max_samples"
+
+
+def reads_target_weights(cfg) -> bool:
+    """The target's weights are loaded only to write self-prompts; the report's tokens need its tokenizer only."""
+    return cfg.prepare.self_prompts is not None
 
 
 def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
@@ -146,9 +152,14 @@ def run(ctx: RunContext) -> PrepareSummary:
             _merge(skips, src_skips)
             row_reasons = set(stats["skipped_by_reason"])
             by_role: dict[str, int] = {}
+            reasoning = {"assistant_turns": 0, "from_reasoning_field": 0, "inline_think": 0}
             for c in written:
                 for m in c.messages:
                     by_role[m.role] = by_role.get(m.role, 0) + 1
+                    kind = reasoning_kind(m)
+                    if kind is not None:
+                        reasoning["assistant_turns"] += 1
+                        reasoning["from_reasoning_field" if kind == "field" else "inline_think"] += 1
             lengths[path] = _token_lengths(tok, written)
             entry = {
                 "path": path, "format": fmt,
@@ -156,6 +167,7 @@ def run(ctx: RunContext) -> PrepareSummary:
                 "rows_skipped": stats["rows_skipped"], "skipped_by_reason": stats["skipped_by_reason"],
                 "turns": sum(by_role.values()), "turns_by_role": by_role,
                 "turn_changes": {r: n for r, n in sorted(src_skips.counts.items()) if r not in row_reasons},
+                "reasoning": reasoning,
                 "token_lengths": _summary(lengths[path]),
             }
             if dropped:
@@ -167,7 +179,13 @@ def run(ctx: RunContext) -> PrepareSummary:
                 f"[eyas] prepare: {path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
                 f"{stats['rows_skipped']} skipped"
             )
+            if reasoning["assistant_turns"]:
+                ctx.log(f"[eyas] prepare: {path}: reasoning kept on {reasoning['assistant_turns']} assistant turns "
+                        f"({reasoning['from_reasoning_field']} from reasoning_content or reasoning, "
+                        f"{reasoning['inline_think']} inline <think> in the content)")
     totals = {k: sum(s[k] for s in per_source) for k in ("rows_read", "rows_kept", "rows_skipped", "turns")}
+    totals["reasoning"] = {k: sum(s["reasoning"][k] for s in per_source) for k in per_source[0]["reasoning"]} \
+        if per_source else {}
     all_lengths = [n for v in lengths.values() for n in v]
     png = ctx.run.token_lengths_png
     plotted = _plot_histogram(lengths, png, str(tok.name_or_path), ctx)
@@ -177,7 +195,8 @@ def run(ctx: RunContext) -> PrepareSummary:
         "duplicates": duplicates,
         "totals": {**totals, "token_lengths": _summary(all_lengths)},
         "token_lengths_counted_with": {"tokenizer": str(tok.name_or_path),
-                                       "what": "tokens of each conversation's turn texts, chat template excluded"},
+                                       "what": "tokens of each conversation's turn texts (reasoning included), chat "
+                                               "template excluded"},
         "token_length_histogram": png.name if plotted else None,
         "mix": mix,
         "decontaminated_against": decon.labels if decon is not None else None,
@@ -272,15 +291,17 @@ def _merge(into: SkipCounter, other: SkipCounter) -> None:
 
 
 def _token_lengths(tok, convs: list[Conversation], chunk: int = 512) -> list[int]:
-    """Tokens per conversation: the sum over its turns of ``len(tok(text, add_special_tokens=False))``."""
-    texts = [m.content for c in convs for m in c.messages]
+    """Tokens per conversation: the sum over its turns' texts (content, and reasoning where a turn carries it) of
+    ``len(tok(text, add_special_tokens=False))``."""
+    per_conv = [[t for m in c.messages for t in (m.content, m.reasoning_content) if t is not None] for c in convs]
+    texts = [t for ts in per_conv for t in ts]
     per_text: list[int] = []
     for i in range(0, len(texts), chunk):
         per_text += [len(ids) for ids in tok(texts[i: i + chunk], add_special_tokens=False)["input_ids"]]
     out, j = [], 0
-    for c in convs:
-        out.append(sum(per_text[j: j + len(c.messages)]))
-        j += len(c.messages)
+    for ts in per_conv:
+        out.append(sum(per_text[j: j + len(ts)]))
+        j += len(ts)
     return out
 
 

@@ -13,6 +13,12 @@ A reply cut at the token limit (``finish_reason: length``, kept by generate and 
 end-of-turn label: the template's end-of-turn token after it stays in ``input_ids`` with loss mask 0; such turns are
 counted in ``meta.json`` (``turns_cut_at_limit``), and assistant turns whose finish reason is unknown (older run
 folders, sources that do not say) under ``turns_finish_unknown``: those are trained as finished replies.
+
+Reasoning a reply carries (``reasoning_content``, or a ``<think>`` block in its content) is rendered where the
+template renders it and trained there (Qwen3: a ``<think>`` block in the turns after the last user turn, inside
+the trained span, as the model emits it); ``reasoning_turns`` in ``meta.json`` counts the assistant turns whose
+reasoning is rendered and those whose reasoning the template leaves out (a server renders them the same way), and
+the log says how many are left out.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
     whitespace = SkipCounter()  # replies kept whose leading/trailing whitespace the template changed
     emitted_kept = SkipCounter()  # replies whose emitted ids replaced their text's tokens
     n = tokens = trained = truncated = cut_turns = unknown_finish = unknown_regenerated = 0
+    reasoning = {"rendered": 0, "not_rendered": 0}   # assistant turns carrying reasoning, by what the template did
     by_source: dict[str, dict[str, int]] = {}  # the mix as training sees it: samples and tokens per source file
     with JsonlAppender(out, fsync_every=1 << 30) as w:
         for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
@@ -139,6 +146,8 @@ def run(ctx: RunContext) -> TokenizeSummary:
             w.append(TokenizedSample(c.id, ids, mask).to_json())
             n += 1
             cut_turns += len(cut)
+            for _, rendered in r.reasoning_turns:
+                reasoning["rendered" if rendered else "not_rendered"] += 1
             unknown = [m for m in c.messages if m.role == "assistant" and m.finish_reason is None]
             unknown_finish += len(unknown)
             unknown_regenerated += sum(m.token_ids is not None for m in unknown)   # in-process, before Eyas kept it
@@ -154,7 +163,7 @@ def run(ctx: RunContext) -> TokenizeSummary:
         "tokenizer": tokenizer_identity(tok), "target_path": str(materialize_target(ctx.cfg.target)),
         "skips": skips.to_json(), "reply_whitespace_changed": whitespace.to_json(),
         "replies_trained_as_emitted": emitted_kept.to_json(),
-        "turns_cut_at_limit": cut_turns, "turns_finish_unknown": unknown_finish,
+        "turns_cut_at_limit": cut_turns, "turns_finish_unknown": unknown_finish, "reasoning_turns": reasoning,
         "mix": [{"source": k, **v, "assistant_tokens_share": round(v["assistant_tokens"] / max(trained, 1), 4)}
                 for k, v in by_source.items()],
     }
@@ -171,6 +180,11 @@ def run(ctx: RunContext) -> TokenizeSummary:
         ctx.log(f"[eyas] tokenize: {cut_turns} replies were cut at the token limit (finish reason 'length'): "
                 f"trained without an end-of-turn token, which the target never emitted there; counted in "
                 f"{ctx.run.tokenize_meta} (turns_cut_at_limit)")
+    if reasoning["not_rendered"]:
+        ctx.log(f"[eyas] tokenize: {reasoning['not_rendered']} assistant turns carry reasoning the chat template "
+                f"does not render (Qwen3 renders it only after the last user turn; some templates never do): not "
+                f"trained, as a server would not show it; {reasoning['rendered']} rendered and trained; counted in "
+                f"{ctx.run.tokenize_meta} (reasoning_turns)")
     if unknown_regenerated:
         ctx.log(f"[eyas] tokenize: regenerated replies without a finish reason (generated before Eyas kept it): "
                 f"{unknown_regenerated}; their end-of-turn token is trained, also after a reply that was cut at "
