@@ -164,8 +164,19 @@ def test_family_extract_train_export_evaluate(name, tmp_path, shared, smollm2_to
             # (a sample cut at max_length may cut it; Llama 3 and Gemma trim a reply's outer whitespace: counted)
             if m["role"] == "assistant" and e and len(ids) < 160 and m["content"] == m["content"].strip():
                 assert any(ids[k:k + len(e)] == e for k in range(len(ids) - len(e) + 1)), (name, row["id"])
-    trained = [t for t, m in zip(first["input_ids"], first["loss_mask"]) if m]
-    assert eot_id in trained or len(first["input_ids"]) == 160  # (unless truncated at max_length)
+    # the end-of-turn token is trained after every reply the target ended itself, and after none cut at
+    # generate.max_new_tokens (it never emitted one there); samples truncated at max_length are left out
+    cut = 0
+    for row in map(json.loads, (tmp_path / "run" / "tokenize" / "samples.jsonl").open()):
+        replies = [m for m in gen[row["id"]]["messages"] if m["role"] == "assistant"]
+        assert all(m.get("finish_reason") in ("stop", "length") for m in replies), (name, row["id"])
+        cut += sum(m["finish_reason"] == "length" for m in replies)
+        if len(row["input_ids"]) == 160:
+            continue
+        trained = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        stopped = sum(m["finish_reason"] == "stop" for m in replies)
+        assert (eot_id in trained) == (stopped > 0), (name, row["id"], stopped)
+    assert tk.turns_cut_at_limit == cut
 
     # Extract: the engines' default layers for the family, output_of_layer; stored states equal HF's own
     # output_hidden_states (capture hooks work on MoE, MLA and sink/sliding-window decoder layers).
