@@ -138,8 +138,9 @@ def probe_samples(runs: Path) -> dict[str, list]:
     return by_set
 
 
-def probe(runs: Path, arm: str, checkpoint: Path | None) -> dict:
-    """Teacher-forced accuracy per TTT position of ``arm``'s drafter (a checkpoint, or train/final) on each probe set.
+def probe(runs: Path, arm: str, checkpoint: Path | None, drafter: Path | None = None) -> dict:
+    """Teacher-forced accuracy per TTT position of ``arm``'s drafter (a checkpoint, or train/final) on each probe set;
+    ``drafter``: any drafter folder instead (the one ``train.init_from`` starts from), with ``arm``'s target.
 
     Returns ``{set: {"acc": [K floats], "loss": float, "samples": n}}``."""
     import torch
@@ -148,7 +149,7 @@ def probe(runs: Path, arm: str, checkpoint: Path | None) -> dict:
     from eyas.data.vocab import load_vocab
     from eyas.distributed import Dist
     from eyas.drafter import load_drafter
-    from eyas.store.header import expected_header
+    from eyas.store.header import aux_layer_ids
     from eyas.targets.load import load_target_head, read_target_config
     from eyas.train.build import build_draft, draft_config_for
     from eyas.train.checkpoint import load_checkpoint
@@ -156,21 +157,20 @@ def probe(runs: Path, arm: str, checkpoint: Path | None) -> dict:
     from eyas.train.loop import DraftWithLoss, evaluate_held_out
     from eyas.train.online import OnlineStates
     from eyas.families import text_config
-    from eyas.run_folder import RunFolder
 
     cfg = load_config(runs / f"{arm}.yaml")
     run = runs / arm
     device = torch.device(cfg.train.device if cfg.train.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     embed, lm_head = load_target_head(cfg.target)
-    header = expected_header(cfg.target, cfg.extract, RunFolder(run))
+    layer_ids = aux_layer_ids(cfg.target, cfg.extract)   # the store's convention (output_of_layer)
     tcfg = read_target_config(cfg.target)
     if checkpoint is None:
-        model, _ = load_drafter(run / "train" / "final", embed, engine="sglang",
+        model, _ = load_drafter(drafter or run / "train" / "final", embed, engine="sglang",
                                 num_target_layers=int(text_config(tcfg)["num_hidden_layers"]))
     else:
         d2t, t2d = load_vocab(run / "vocab" / "vocab.safetensors")
-        model = build_draft(draft_config_for(tcfg, cfg.train.draft, len(d2t), len(header.layer_ids)), embed, d2t,
+        model = build_draft(draft_config_for(tcfg, cfg.train.draft, len(d2t), len(layer_ids)), embed, d2t,
                             t2d, cfg.train.seed)
         state, _, _ = load_checkpoint(checkpoint, torch.device("cpu"))
         missing = set(model.trainable_state_dict()) - set(state)
@@ -186,7 +186,7 @@ def probe(runs: Path, arm: str, checkpoint: Path | None) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     out = {}
     for name, samples in probe_samples(runs).items():
-        states = OnlineStates(cfg.target, cfg.extract, header.layer_ids, samples)
+        states = OnlineStates(cfg.target, cfg.extract, layer_ids, samples)
         ev = evaluate_held_out(step_module, SampleDataset(samples, cfg.train.max_length), states,
                                lm_head.to(device, float_dtype), draft_ids, model.t2d, cfg.train, dist, autocast,
                                float_dtype, 64 if cuda else 1)
@@ -254,7 +254,7 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
 
 def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    cfgs = {name: write_config(runs, name, {"prepare.sources": srcs}, args.set)
+    cfgs = {name: write_config(runs, name, {"prepare.sources": srcs, "generate.reuse_from": args.reuse_from}, args.set)
             for name, srcs in arms(self_file, args.max_rows).items() if name in chosen}
     data = args.data
     probe_srcs = [{"path": f"{data}/{rel}", "format": fmt, "max_rows": args.probe_prompts}
@@ -279,7 +279,8 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     eyas("generate", cfgs[full], logfile=runs / f"{full}.log")
     for name in [n for n in chosen if n != full]:
         cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
-                                               "generate.reuse_from": [str(runs / full)]}, args.set)
+                                               "generate.reuse_from": [str(runs / full)] + args.reuse_from},
+                                  args.set)
         eyas("generate", cfgs[name], logfile=runs / f"{name}.log")
     for name in cfgs:
         results["arms"][name]["generate"] = json.loads((runs / name / "generate" / "report.json").read_text())
@@ -287,8 +288,18 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     log(runs, "generate done: " + ", ".join(
         f"{n} {results['arms'][n]['generate'].get('new_tokens_per_s', 'reused')}" for n in cfgs))
 
-    # 4. tokenize, vocab
-    parallel(runs, [("tokenize", c) for c in cfgs.values()])
+    # 4. tokenize, vocab; meanwhile (the GPU is free) the probe of the drafter that train.init_from starts from, the
+    # baseline of this run measured in the same job
+    toks = [(c, eyas("tokenize", c, wait=False, logfile=runs / f"{c.stem}.log")) for c in cfgs.values()]
+    init = (yaml.safe_load(cfgs[full].read_text()).get("train") or {}).get("init_from")
+    if init:
+        results["init_probe"] = {"drafter": init, **probe(runs, full, None, drafter=Path(init))}
+        save()
+        log(runs, "probe of train.init_from's drafter: " + " ".join(
+            f"{s} {v['acc'][:3]}" for s, v in results["init_probe"].items() if s != "drafter"))
+    bad = [c for c, p in toks if p.wait() != 0]
+    if bad:
+        raise SystemExit(f"tokenize failed: {bad} (logs under {runs})")
     parallel(runs, [("vocab", c) for c in cfgs.values()])
     for name in cfgs:
         results["arms"][name]["tokenize"] = done(runs / name, "tokenize")
@@ -301,7 +312,8 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
         tokens = results["arms"][name]["tokenize"]["tokens"]
         epochs = round(args.tokens / tokens, 4)
         cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
-                                               "generate.reuse_from": [] if name == full else [str(runs / full)],
+                                               "generate.reuse_from": ([] if name == full else [str(runs / full)])
+                                               + args.reuse_from,
                                                "train.epochs": epochs}, args.set)
         results["arms"][name]["train_epochs"] = epochs
         procs[name] = eyas("train", cfgs[name], wait=False, logfile=runs / f"{name}.log")
@@ -417,6 +429,9 @@ def main() -> None:
     ap.add_argument("--self-prompts", type=int, default=45000, help="self-prompts asked")
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
+    ap.add_argument("--reuse-from", action="append", default=[],
+                    help="a run folder (or a copy of its generate stage) whose replies the arms reuse "
+                         "(generate.reuse_from; not the probe run, which generates 256 tokens)")
     ap.add_argument("--deadline-s", type=float, default=1260, help="seconds after start at which training stops")
     ap.add_argument("--max-seconds", type=float, default=560)
     ap.add_argument("--arm", default=None)

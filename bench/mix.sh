@@ -2,12 +2,17 @@
 # Device calls of the data experiment (issue 18; bench/mix.py says what runs), chained without pauses: the machine
 # keeps /root and the background run only while warm (30 s after a call).
 #   here, once:  bench/mix.sh parts          the GGUF (xz) in three parts under .gpu/p{1,2,3}, the data, the wheels
-#   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl: installs, unpacks
+#                bench/mix.sh prev PACK ARM  .gpu/prev: ARM's generate stage from an earlier run's pack folder (its
+#                                            conversations xz and mix_runs.tar.gz), for `mix.py all --reuse-from
+#                                            /root/prev` (carried by the `a` call)
+#   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl [.gpu/prev]: installs,
+#                                            unpacks (.gpu/prev to /root/prev)
 #                bench/mix.sh s N            carry .gpu/pN: stashes part N (1, 2; each call carries the working tree,
 #                                            about 32 MB with the committed drafter, so a part is at most ~30 MB)
 #                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
 #                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
-#                                            started in its own session (it outlives the call), watched for 540 s
+#                                            started in its own session (it outlives the call), watched for 540 s;
+#                                            the committed drafter is copied to /root/drafter0 (for train.init_from)
 #                bench/mix.sh w [SECONDS]    watch it (no carry)
 #                bench/mix.sh p              pack: results, logs, the best drafter's weight files into $OUT
 #   here:        bench/mix.sh cpu-check      the whole experiment at a tiny scale on the CPU
@@ -36,8 +41,20 @@ case $step in
       typing-inspection gguf==0.19.0 typing_extensions==4.16.0 datasketch==2.0.0
     python3 -m pip wheel -q --no-deps -w .whl langdetect==1.0.9    # an sdist only: built here, pure Python
     ls -la .gpu/p* .gpu .whl ;;
+  prev)
+    pack=${2:?pack folder} arm=${3:?arm}
+    rm -rf .gpu/prev && mkdir -p .gpu/prev/generate
+    tar xzf "$pack/mix_runs.tar.gz" -C .gpu/prev/generate --strip-components=3 ./$arm/generate/done.json \
+      ./$arm/generate/fingerprint.json ./$arm/generate/fingerprint_values.json ./$arm/generate/report.json
+    cp "$pack/${arm}_conversations.jsonl.xz" .gpu/prev/conversations.jsonl.xz
+    ls -la .gpu/prev .gpu/prev/generate ;;
   a)
     gpu_env
+    if [ -d .gpu/prev ]; then
+      rm -rf /root/prev && mkdir -p /root/prev && cp -r .gpu/prev/generate /root/prev/
+      xz -dc .gpu/prev/conversations.jsonl.xz > /root/prev/generate/conversations.jsonl
+      wc -l /root/prev/generate/conversations.jsonl
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl
     tar xJf .gpu/hdata.tar.xz -C /root && mkdir -p /root/stash
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; df -h /root | tail -1
@@ -52,6 +69,7 @@ case $step in
     # (the commit `parts` archived, so that uncommitted edits in the working tree never reach the device's run)
     rm -rf /root/work && mkdir -p /root/work && tar xJf .gpu/p3/code.tar.xz -C /root/work && ln -sfn /root/data /root/work/.hdata
     echo "code: commit $(cat .gpu/p3/code.rev)"
+    rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
     (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
