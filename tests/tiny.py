@@ -161,3 +161,23 @@ def header_only_checkpoint(folder, tensors: dict[str, tuple[str, list[int]]], sh
     if shards > 1:
         (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return files
+
+
+def stories_extract_config(tmp_path, stories_dir, shared, *, rows: int, **extract):
+    """``tmp_path/cfg.yaml``: a CPU run of stories260K on the first ``rows`` rows of the real Alpaca file, no
+    generation, samples cut at 64 tokens, aux layers [0, 2, 3], 200-token extraction batches; ``extract``: more
+    extract settings (``shard_bytes``, ``ignore_disk_space``, ...). Returns the config's path."""
+    import yaml
+
+    cfg = {
+        "run_dir": str(tmp_path / "run"),
+        "target": {"model": str(stories_dir), "dtype": "float32", "device": "cpu"},
+        "prepare": {"sources": [{"path": str(shared / "data" / "train" / "alpaca_en_demo.json"),
+                                 "format": "alpaca", "max_rows": rows}]},
+        "generate": {"enabled": False},
+        "tokenize": {"max_length": 64},
+        "extract": {"layer_ids": [0, 2, 3], "batch_tokens": 200, **extract},
+    }
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p

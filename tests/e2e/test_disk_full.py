@@ -18,8 +18,9 @@ import threading
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
+
+from tiny import stories_extract_config
 
 from eyas.cli import app
 from eyas.config import load_config
@@ -35,18 +36,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _config(tmp_path: Path, stories_dir: Path, shared: Path, **extract) -> Path:
-    cfg = {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"model": str(stories_dir), "dtype": "float32", "device": "cpu"},
-        "prepare": {"sources": [{"path": str(shared / "data" / "train" / "alpaca_en_demo.json"),
-                                 "format": "alpaca", "max_rows": 20}]},
-        "generate": {"enabled": False},
-        "tokenize": {"max_length": 64},
-        "extract": {"layer_ids": [0, 2, 3], "batch_tokens": 200, **extract},
-    }
-    p = tmp_path / "cfg.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+    return stories_extract_config(tmp_path, stories_dir, shared, rows=20, **extract)
 
 
 def _tokenized(cfg: Path, logs: list[str] | None = None) -> RunContext:

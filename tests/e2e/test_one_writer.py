@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from tiny import stories_extract_config
 
 from eyas.config import load_config
 from eyas.stages import RunContext, run_stage
@@ -50,18 +50,7 @@ app()
 
 
 def _config(tmp_path: Path, stories_dir: Path, shared: Path) -> Path:
-    cfg = {
-        "run_dir": str(tmp_path / "run"),
-        "target": {"model": str(stories_dir), "dtype": "float32", "device": "cpu"},
-        "prepare": {"sources": [{"path": str(shared / "data" / "train" / "alpaca_en_demo.json"),
-                                 "format": "alpaca", "max_rows": 16}]},
-        "generate": {"enabled": False},
-        "tokenize": {"max_length": 64},
-        "extract": {"layer_ids": [0, 2, 3], "batch_tokens": 200, "shard_bytes": 30000},
-    }
-    p = tmp_path / "cfg.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+    return stories_extract_config(tmp_path, stories_dir, shared, rows=16, shard_bytes=30000)
 
 
 def _hold(stage: str, cfg: Path, tmp_path: Path) -> subprocess.Popen:
