@@ -219,7 +219,7 @@ def cmd_all(args) -> None:
     results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "tokens_planned": args.tokens,
                      "probe_step": args.probe_step, "arms": {}}
     save = lambda: (runs / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # noqa: E731
-    self_file = str(runs / "self_prompts.jsonl")
+    self_file = args.self_prompts_file or str(runs / "self_prompts.jsonl")
     chosen = args.arms.split(",")
     unknown = set(chosen) - set(arms(self_file, None))
     if unknown:
@@ -228,7 +228,7 @@ def cmd_all(args) -> None:
     full = max(chosen, key=["a", "b", "c10", "c30"].index)
 
     # 1. the self-prompts, once (only the c arms use them)
-    if any(a.startswith("c") for a in chosen):
+    if any(a.startswith("c") for a in chosen) and not args.self_prompts_file:
         _self_prompts(runs, args, self_file, results)
         save()
     _run_arms(runs, args, self_file, results, save, chosen, full)
@@ -404,11 +404,13 @@ def cmd_pack(args) -> None:
     res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
     best = res.get("best")
     conv = runs / (best or "") / "generate" / "conversations.jsonl"
-    if best and conv.exists():   # the target's replies, for generate.reuse_from in a later run (xz, under 16 MiB)
-        with open(out / f"{best}_conversations.jsonl.xz", "wb") as f:
+    if best and conv.exists():   # the target's replies, for generate.reuse_from in a later run (xz, in files of
+        xz = out / f"{best}_conversations.jsonl.xz"        # at most 16 MiB, what a device call brings back)
+        with open(xz, "wb") as f:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
-        if (out / f"{best}_conversations.jsonl.xz").stat().st_size > 16 * 2**20:
-            (out / f"{best}_conversations.jsonl.xz").unlink()
+        if xz.stat().st_size > 16 * 2**20:      # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
+            subprocess.run(["split", "-b", str(16 * 2**20), "-d", "-a", "2", str(xz), f"{xz}."], check=True)
+            xz.unlink()
     if best and (runs / best / "export" / "sglang").exists():
         for f in sorted((runs / best / "export" / "sglang").glob("*.safetensors")):
             shutil.copy(f, out / f"drafter_{f.name}")
@@ -427,6 +429,9 @@ def main() -> None:
     ap.add_argument("--probe-step", type=int, default=600)
     ap.add_argument("--probe-prompts", type=int, default=80)
     ap.add_argument("--self-prompts", type=int, default=45000, help="self-prompts asked")
+    ap.add_argument("--self-prompts-file", default=None,
+                    help="the c arms' self-prompts from this prompts file (JSONL of strings, compressed or not) "
+                         "instead of writing them (e.g. bench/results/mix/warm/self_prompts.jsonl.xz)")
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
     ap.add_argument("--reuse-from", action="append", default=[],

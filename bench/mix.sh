@@ -46,7 +46,7 @@ case $step in
     rm -rf .gpu/prev && mkdir -p .gpu/prev/generate
     tar xzf "$pack/mix_runs.tar.gz" -C .gpu/prev/generate --strip-components=3 ./$arm/generate/done.json \
       ./$arm/generate/fingerprint.json ./$arm/generate/fingerprint_values.json ./$arm/generate/report.json
-    cp "$pack/${arm}_conversations.jsonl.xz" .gpu/prev/conversations.jsonl.xz
+    cat "$pack/${arm}_conversations.jsonl.xz"* > .gpu/prev/conversations.jsonl.xz   # one file, or pack's parts
     ls -la .gpu/prev .gpu/prev/generate ;;
   a)
     gpu_env
