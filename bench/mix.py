@@ -24,6 +24,7 @@ tokens) to the first 80 prompts of MT-bench (both turns), HumanEval and the GSM8
 held-out evaluation (``eyas.train.loop.evaluate_held_out``) with the target run online.
 
     python bench/mix.py all [--arms a,b,c10,c30] [--tokens 52e6] [--probe-step 600] [--deadline-s 1260] [--set k=v]
+                            [--variant NAME=ARM:k=v;k=v]  # another arm on ARM's data with its own settings
     python bench/mix.py wait --max-seconds 560     # progress, returns when ``all`` ends or the time is up
     python bench/mix.py pack --out DIR             # results.json, logs, the best drafter's weight files
 Writes RUNS/mix.log (progress), RUNS/results.json (per arm: the prepare mix, tokens, generate figures, training
@@ -56,6 +57,7 @@ GSM8K_CAP = 2500
 PROBE_SETS = {"mt_bench": ("eval/mt_bench.jsonl", "mt_bench"), "humaneval": ("eval/humaneval.jsonl", "prompts"),
               "gsm8k": ("eval/gsm8k_test.jsonl", "gsm8k")}
 T0 = time.time()
+VARIANTS: dict[str, tuple[str, list[str]]] = {}   # --variant: name -> (the arm whose data it trains on, its --sets)
 
 
 def log(runs: Path, msg: str) -> None:
@@ -83,15 +85,30 @@ def arms(self_file: str, max_rows: int | None) -> dict[str, list[dict]]:
             "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}]}
 
 
+def data_arm(name: str) -> str:
+    """The arm whose data ``name`` trains on (itself, or a ``--variant``'s base)."""
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
+def parse_variant(text: str) -> tuple[str, str, list[str]]:
+    """``NAME=ARM:k=v;k=v`` -> (NAME, ARM, ["k=v", ...]); raises SystemExit on a malformed one."""
+    name, eq, rest = text.partition("=")
+    arm, colon, sets = rest.partition(":")
+    if not (eq and colon and name.strip() and arm.strip()):
+        raise SystemExit(f"--variant {text!r}: write NAME=ARM:key=value[;key=value]")
+    return name.strip(), arm.strip(), [x.strip() for x in sets.split(";") if x.strip()]
+
+
 def write_config(runs: Path, name: str, changes: dict, sets: list[str]) -> Path:
-    """RUNS/<name>.yaml: the base config with ``changes`` (dotted keys) and the ``--set`` overrides applied."""
+    """RUNS/<name>.yaml: the base config with ``changes`` (dotted keys), the ``--set`` overrides and a variant's own
+    settings applied."""
     from eyas.config import _set_dotted  # the loader's own dotted-key setter, so overrides mean the same here
 
     raw = yaml.safe_load(BASE.read_text())
     raw["run_dir"] = str(runs / name)
     for k, v in changes.items():
         _set_dotted(raw, k, v)
-    for item in sets:
+    for item in sets + (VARIANTS[name][1] if name in VARIANTS else []):
         k, _, v = item.partition("=")
         _set_dotted(raw, k.strip(), yaml.safe_load(v))
     path = runs / f"{name}.yaml"
@@ -221,11 +238,19 @@ def cmd_all(args) -> None:
     save = lambda: (runs / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # noqa: E731
     self_file = args.self_prompts_file or str(runs / "self_prompts.jsonl")
     chosen = args.arms.split(",")
-    unknown = set(chosen) - set(arms(self_file, None))
+    for v in args.variant:
+        name, arm, sets = parse_variant(v)
+        VARIANTS[name] = (arm, sets)
+        chosen.append(name)
+    unknown = {data_arm(n) for n in chosen} - set(arms(self_file, None))
     if unknown:
-        raise SystemExit(f"--arms: unknown {sorted(unknown)} (arms: a, b, c10, c30)")
+        raise SystemExit(f"--arms/--variant: unknown {sorted(unknown)} (arms: a, b, c10, c30)")
+    results["variants"] = {n: {"arm": a, "sets": s} for n, (a, s) in VARIANTS.items()}
     # the arm generated in full (the largest asked for); the others reuse its replies
-    full = max(chosen, key=["a", "b", "c10", "c30"].index)
+    full = max([n for n in chosen if n not in VARIANTS] or [data_arm(n) for n in chosen],
+               key=["a", "b", "c10", "c30"].index)
+    if full not in chosen:
+        chosen.insert(0, full)
 
     # 1. the self-prompts, once (only the c arms use them)
     if any(a.startswith("c") for a in chosen) and not args.self_prompts_file:
@@ -254,8 +279,9 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
 
 def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    cfgs = {name: write_config(runs, name, {"prepare.sources": srcs, "generate.reuse_from": args.reuse_from}, args.set)
-            for name, srcs in arms(self_file, args.max_rows).items() if name in chosen}
+    cfgs = {name: write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
+                                            "generate.reuse_from": args.reuse_from}, args.set)
+            for name in chosen}
     data = args.data
     probe_srcs = [{"path": f"{data}/{rel}", "format": fmt, "max_rows": args.probe_prompts}
                   for rel, fmt in PROBE_SETS.values()]
@@ -278,7 +304,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     # 3. generate: the largest arm in full, the others from it
     eyas("generate", cfgs[full], logfile=runs / f"{full}.log")
     for name in [n for n in chosen if n != full]:
-        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
+        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
                                                "generate.reuse_from": [str(runs / full)] + args.reuse_from},
                                   args.set)
         eyas("generate", cfgs[name], logfile=runs / f"{name}.log")
@@ -311,7 +337,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     for name in cfgs:
         tokens = results["arms"][name]["tokenize"]["tokens"]
         epochs = round(args.tokens / tokens, 4)
-        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[name],
+        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
                                                "generate.reuse_from": ([] if name == full else [str(runs / full)])
                                                + args.reuse_from,
                                                "train.epochs": epochs}, args.set)
@@ -322,14 +348,23 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     probes: dict[str, dict] = {}
     if len(procs) == 1:   # one arm: nothing to choose, no probe mid-run (it would share the GPU with training)
         probes = {next(iter(procs)): {}}
+    asked_to_stop: set[str] = set()
     while len(probes) < len(procs):
         for name, p in procs.items():
             if name in probes:
                 continue
+            if time.time() - T0 > args.deadline_s and p.poll() is None and name not in asked_to_stop:
+                log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
+                (runs / name / "train" / "STOP").touch()
+                asked_to_stop.add(name)
             ck = [c for c in checkpoints(runs / name) if step_of(c) >= args.probe_step]
             if ck or p.poll() is not None:
-                ck = ck or checkpoints(runs / name)[-1:]
-                probes[name] = {"step": step_of(ck[0]), **probe(runs, name, ck[0])}
+                if not ck and p.returncode == 0 and (runs / name / "train" / "done.json").exists():
+                    # ended: its drafter (the schedule's end, or where it was asked to stop)
+                    probes[name] = {"step": done(runs / name, "train")["steps"], **probe(runs, name, None)}
+                else:
+                    ck = ck or checkpoints(runs / name)[-1:]
+                    probes[name] = {"step": step_of(ck[0]), **probe(runs, name, ck[0])}
                 results["arms"][name]["probe"] = probes[name]
                 save()
                 log(runs, f"probe {name} at step {probes[name]['step']}: "
@@ -357,7 +392,9 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
         raise SystemExit(f"train {best} exited {p.returncode}")
     results["arms"][best]["train"] = done(runs / best, "train")
     eyas("export", cfgs[best], logfile=runs / f"{best}.log")
-    results["final"] = {"arm": best, "probe": probe(runs, best, None), "export": done(runs / best, "export")}
+    final_probe = ({k: v for k, v in probes[best].items() if k != "step"} if probes[best].get("step") ==
+                   results["arms"][best]["train"]["steps"] else probe(runs, best, None))   # probed at its end already
+    results["final"] = {"arm": best, "probe": final_probe, "export": done(runs / best, "export")}
     results["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     save()
     log(runs, f"done: {best} {results['final']['probe']}")
@@ -377,7 +414,7 @@ def cmd_wait(args) -> None:
         if (runs / "ALL_DONE").exists() or (runs / "FAILED").exists():
             break
         time.sleep(5)
-    for name in ("a", "b", "c10", "c30"):
+    for name in sorted(p.parent.parent.name for p in runs.glob("*/train/metrics.jsonl")):
         m = runs / name / "train" / "metrics.jsonl"
         if m.exists():
             rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
@@ -404,7 +441,7 @@ def cmd_pack(args) -> None:
     res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
     best = res.get("best")
     conv = runs / (best or "") / "generate" / "conversations.jsonl"
-    if best and conv.exists():   # the target's replies, for generate.reuse_from in a later run (xz, in files of
+    if best and conv.exists() and not args.no_conversations:   # the target's replies, for generate.reuse_from in a later run (xz, in files of
         xz = out / f"{best}_conversations.jsonl.xz"        # at most 16 MiB, what a device call brings back)
         with open(xz, "wb") as f:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
@@ -425,6 +462,11 @@ def main() -> None:
     ap.add_argument("--data", default=os.environ.get("MIX_DATA", ".hdata"))
     ap.add_argument("--set", action="append", default=[], help="key=value applied to every arm's config")
     ap.add_argument("--arms", default="a,b,c10,c30", help="the arms to run (comma-separated)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=ARM:key=value;key=value: one more arm, trained on ARM's data (its replies reused, "
+                         "nothing regenerated) with these settings on top of --set (e.g. a wider draft)")
+    ap.add_argument("--no-conversations", action="store_true",
+                    help="pack: leave the best arm's replies out (a later call packs them)")
     ap.add_argument("--tokens", type=float, default=52e6, help="training tokens planned per arm")
     ap.add_argument("--probe-step", type=int, default=600)
     ap.add_argument("--probe-prompts", type=int, default=80)

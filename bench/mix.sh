@@ -14,8 +14,9 @@
 #                                            started in its own session (it outlives the call), watched for 540 s;
 #                                            the committed drafter is copied to /root/drafter0 (for train.init_from)
 #                bench/mix.sh w [SECONDS]    watch it (no carry)
-#                bench/mix.sh p              pack: results, logs, the best drafter's weight files into $OUT
-#   here:        bench/mix.sh cpu-check      the whole experiment at a tiny scale on the CPU
+#                bench/mix.sh p [S] [ARGS]   pack: results, logs, the best drafter's weight files into $OUT
+#                                            (ARGS to `mix.py pack`, e.g. --no-conversations; 8 files come back)
+#   here:        bench/mix.sh cpu-check [ARGS]  the whole experiment at a tiny scale on the CPU (ARGS to `mix.py all`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:?step}
@@ -70,6 +71,7 @@ case $step in
     rm -rf /root/work && mkdir -p /root/work && tar xJf .gpu/p3/code.tar.xz -C /root/work && ln -sfn /root/data /root/work/.hdata
     echo "code: commit $(cat .gpu/p3/code.rev)"
     rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
+    cp bench/results/mix/warm/self_prompts.jsonl.xz /root/mix/   # for --self-prompts-file /root/mix/self_prompts.jsonl.xz
     (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
@@ -81,7 +83,7 @@ case $step in
   p)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-1}
-    python3 /root/work/bench/mix.py pack --out $OUT
+    python3 /root/work/bench/mix.py pack --out $OUT "${@:3}"
     tail -5 /root/mix/all.out ;;
   cpu-check)
     export PYTHONPATH=$PWD/src:${PYTHONPATH:-} EYAS_CACHE=${EYAS_CACHE:-$HOME/.cache/eyas}
@@ -94,7 +96,7 @@ case $step in
        --set tokenize.max_length=512 --set train.max_length=512 --set generate.max_prompt_tokens=400
        --set train.ttt_steps=3)
     python3 bench/mix.py all --runs $R --data ../shared/data --max-rows 5 --self-prompts 6 --self-prompt-tokens 48 --tokens 30000 \
-      --probe-step 2 --probe-prompts 2 "${S[@]}"
+      --probe-step 2 --probe-prompts 2 "${S[@]}" "${@:2}"
     python3 bench/mix.py pack --runs $R --out $R/out ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -319,7 +319,8 @@ class TrainConfig(Section):
     tensorboard: bool = Field(True, description="TensorBoard logs in RUN/train/tensorboard")
     wandb_project: str | None = Field(None, description="log to this wandb project (when wandb is installed)")
     init_from: str | None = Field(
-        None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d are kept")
+        None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d and shape "
+        "are kept, except that a larger train.draft.intermediate_size widens its MLP (same outputs at the start)")
 
     @field_validator("betas")
     @classmethod

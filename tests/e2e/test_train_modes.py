@@ -11,6 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from eyas.config import load_config
+from eyas.errors import EyasError
 from eyas.stages import RunContext, init_run_dir, run_stage
 
 pytestmark = pytest.mark.e2e
@@ -66,6 +67,20 @@ def test_offline_equals_online_and_init_from(tmp_path, shared):
     assert got["d2t"].shape == (200,) and (got["d2t"] == d2t).all()
     # it starts from the trained drafter: its first loss is near where the first run ended, far under a fresh one
     assert s["train"].first_loss < 0.5 * (off["train"].first_loss + off["train"].loss)
+
+    # a wider drafter grown from it: train.draft.intermediate_size widens the MLP, which starts out computing what
+    # the trained drafter computes (the same first loss as the fine-tune above, on the same batch) and is kept wide
+    inter = got["midlayer.mlp.gate_proj.weight"].shape[0]
+    wide_cfg = _config(tmp_path, shared, "ftw", 150, epochs=1, init_from=str(final),
+                       draft={"intermediate_size": 3 * inter})
+    w = _run(wide_cfg, ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
+    wide = load_file(str(tmp_path / "ftw" / "train" / "final" / "draft.safetensors"))
+    assert wide["midlayer.mlp.gate_proj.weight"].shape[0] == 3 * inter and (wide["d2t"] == d2t).all()
+    assert w["train"].first_loss == pytest.approx(s["train"].first_loss, rel=1e-4)
+    # any other shape change of a drafter is refused, naming the field
+    with pytest.raises(EyasError, match=r"train\.draft\.num_attention_heads: 2 asked, the drafter has"):
+        _run(_config(tmp_path, shared, "fth", 150, epochs=1, init_from=str(final), draft={"num_attention_heads": 2}),
+             ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
 
     # the SGLang-format export of the same drafter loads too
     _run(_config(tmp_path, shared, "off"), ["export"])

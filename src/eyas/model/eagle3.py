@@ -311,6 +311,38 @@ class Eagle3DraftModel(nn.Module):
         return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv)
 
 
+def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) -> Eagle3DraftModel:
+    """A copy of ``model`` whose SwiGLU MLP has ``intermediate_size`` channels, computing the same function.
+
+    The old channels keep their weights; each new channel gets gate/up rows drawn as ``nn.Linear`` draws them
+    (uniform in +-1/sqrt(H), seeded) and a down_proj column of zeros, so the widened draft's outputs equal the
+    original's exactly until training moves the new columns (Net2WiderNet, arXiv 1511.05641, with a zero
+    output map). Used by ``train.init_from`` with a larger ``train.draft.intermediate_size``: more capacity,
+    started from what a drafter already knows. Engines read the width from config.json (``intermediate_size``).
+
+    Raises ``ValueError`` when ``intermediate_size`` is smaller than the model's."""
+    old = model.config
+    if intermediate_size < old.intermediate_size:
+        raise ValueError(f"intermediate_size {intermediate_size} is smaller than the drafter's "
+                         f"{old.intermediate_size}: a drafter can be widened, not narrowed")
+    from dataclasses import replace
+
+    wide = Eagle3DraftModel(replace(old, intermediate_size=intermediate_size))
+    state = model.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    extra, H = intermediate_size - old.intermediate_size, old.hidden_size
+    mlp = "midlayer.mlp."
+    for name in ("gate_proj", "up_proj"):
+        w = state[f"{mlp}{name}.weight"]
+        new = (torch.rand(extra, H, generator=gen, dtype=torch.float32) * 2 - 1) / H ** 0.5
+        state[f"{mlp}{name}.weight"] = torch.cat([w, new.to(w.dtype)], dim=0)
+    down = state[f"{mlp}down_proj.weight"]
+    state[f"{mlp}down_proj.weight"] = torch.cat([down, down.new_zeros(H, extra)], dim=1)
+    wide.load_state_dict(state)
+    wide.embed_tokens.weight.requires_grad_(model.embed_tokens.weight.requires_grad)
+    return wide.train(model.training)
+
+
 def _autocast_cast_dtype(weight: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast would cast this fp32 weight to in a matrix product on its device, or None (autocast off,
     or the weight not fp32: bf16 weights, or FSDP's bf16 mixed precision, need no cast)."""

@@ -22,6 +22,7 @@ from ..data.vocab import load_vocab
 from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..errors import EyasError, StoreError
 from ..families import text_config
+from ..model.eagle3 import widen_mlp
 from ..records import read_tokenized
 from ..store import HiddenStateStore
 from ..store.header import expected_header
@@ -97,6 +98,8 @@ def run(ctx: RunContext) -> TrainSummary:
                             f"{embed.shape[0]} / {embed.shape[1]}")
         ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
                 f"kept; the run's vocab stage is not used)")
+        model = _grow_to_asked_shape(model, cfg, ctx.log)
+        dcfg = model.config
     else:
         d2t, t2d = load_vocab(ctx.run.vocab)
         dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
@@ -124,6 +127,30 @@ def run(ctx: RunContext) -> TrainSummary:
         tdist.broadcast_object_list(box, src=0)
         summary = box[0]
     return summary
+
+
+def _grow_to_asked_shape(model, cfg, log):
+    """``train.draft`` beside ``train.init_from``: a field equal to the drafter's is fine; a larger
+    ``intermediate_size`` widens the MLP function-preservingly (:func:`eyas.model.eagle3.widen_mlp`); any other
+    difference is refused (a user-given value is never replaced silently).
+
+    Raises :class:`EyasError` naming the fields that differ."""
+    asked = {k: v for k, v in cfg.draft.model_dump().items() if v is not None}
+    have = model.config.to_dict()
+    wider = asked.pop("intermediate_size", have["intermediate_size"])
+    differ = {k: (v, have[k]) for k, v in asked.items() if have.get(k) != v}
+    if wider < have["intermediate_size"]:
+        differ["intermediate_size"] = (wider, have["intermediate_size"])
+    if differ:
+        raise EyasError("train.init_from: " + str(cfg.init_from) + " has another draft shape than train.draft asks: "
+                        + "; ".join(f"train.draft.{k}: {v} asked, the drafter has {h}" for k, (v, h) in differ.items())
+                        + ". Fine-tuning keeps a drafter's shape, except that intermediate_size may grow (the MLP "
+                        "is widened, its outputs unchanged at the start); unset these fields or train from scratch")
+    if wider > have["intermediate_size"]:
+        log(f"[eyas] train: widening the drafter's MLP from {have['intermediate_size']} to {wider} channels "
+            f"(train.draft.intermediate_size; new channels start with zero output, so it starts as it was)")
+        model = widen_mlp(model, wider, cfg.seed)
+    return model
 
 
 def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int) -> TrainSummary:
