@@ -279,8 +279,9 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
 
 def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    cfgs = {name: write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
-                                            "generate.reuse_from": args.reuse_from}, args.set)
+    srcs = {name: arms(self_file, args.max_rows)[data_arm(name)] for name in chosen}   # each arm's prepare.sources
+    cfgs = {name: write_config(runs, name, {"prepare.sources": srcs[name], "generate.reuse_from": args.reuse_from},
+                               args.set)
             for name in chosen}
     data = args.data
     probe_srcs = [{"path": f"{data}/{rel}", "format": fmt, "max_rows": args.probe_prompts}
@@ -304,7 +305,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     # 3. generate: the largest arm in full, the others from it
     eyas("generate", cfgs[full], logfile=runs / f"{full}.log")
     for name in [n for n in chosen if n != full]:
-        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
+        cfgs[name] = write_config(runs, name, {"prepare.sources": srcs[name],
                                                "generate.reuse_from": [str(runs / full)] + args.reuse_from},
                                   args.set)
         eyas("generate", cfgs[name], logfile=runs / f"{name}.log")
@@ -337,7 +338,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     for name in cfgs:
         tokens = results["arms"][name]["tokenize"]["tokens"]
         epochs = round(args.tokens / tokens, 4)
-        cfgs[name] = write_config(runs, name, {"prepare.sources": arms(self_file, args.max_rows)[data_arm(name)],
+        cfgs[name] = write_config(runs, name, {"prepare.sources": srcs[name],
                                                "generate.reuse_from": ([] if name == full else [str(runs / full)])
                                                + args.reuse_from,
                                                "train.epochs": epochs}, args.set)
@@ -414,15 +415,13 @@ def cmd_wait(args) -> None:
         if (runs / "ALL_DONE").exists() or (runs / "FAILED").exists():
             break
         time.sleep(5)
-    for name in sorted(p.parent.parent.name for p in runs.glob("*/train/metrics.jsonl")):
-        m = runs / name / "train" / "metrics.jsonl"
-        if m.exists():
-            rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
-            if rows:
-                r = rows[-1]
-                accs = [round(r[f"acc_{k}"], 3) for k in range(3) if f"acc_{k}" in r]
-                print(f"{name}: step {r['step']} acc {accs} {r.get('recent_tokens_per_s', 0):.0f} tok/s"
-                      f" held-out acc_0 {r.get('eval_acc_0')}")
+    for m in sorted(runs.glob("*/train/metrics.jsonl")):   # every arm that has started training
+        rows = [json.loads(x) for x in m.read_text().splitlines() if x.strip()]
+        if rows:
+            r = rows[-1]
+            accs = [round(r[f"acc_{k}"], 3) for k in range(3) if f"acc_{k}" in r]
+            print(f"{m.parent.parent.name}: step {r['step']} acc {accs} {r.get('recent_tokens_per_s', 0):.0f} tok/s"
+                  f" held-out acc_0 {r.get('eval_acc_0')}")
     if (runs / "FAILED").exists():
         print((runs / "FAILED").read_text())
 
@@ -441,8 +440,10 @@ def cmd_pack(args) -> None:
     res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
     best = res.get("best")
     conv = runs / (best or "") / "generate" / "conversations.jsonl"
-    if best and conv.exists() and not args.no_conversations:   # the target's replies, for generate.reuse_from in a later run (xz, in files of
-        xz = out / f"{best}_conversations.jsonl.xz"        # at most 16 MiB, what a device call brings back)
+    if best and conv.exists() and not args.no_conversations:
+        # the target's replies, for generate.reuse_from in a later run (xz, in files of at most 16 MiB, what a
+        # device call brings back)
+        xz = out / f"{best}_conversations.jsonl.xz"
         with open(xz, "wb") as f:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
         if xz.stat().st_size > 16 * 2**20:      # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)

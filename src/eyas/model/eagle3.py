@@ -22,7 +22,7 @@ what the chain at anchor t sees when drafting at inference.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -325,8 +325,6 @@ def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) ->
     if intermediate_size < old.intermediate_size:
         raise ValueError(f"intermediate_size {intermediate_size} is smaller than the drafter's "
                          f"{old.intermediate_size}: a drafter can be widened, not narrowed")
-    from dataclasses import replace
-
     wide = Eagle3DraftModel(replace(old, intermediate_size=intermediate_size))
     state = model.state_dict()
     gen = torch.Generator().manual_seed(seed)
@@ -338,8 +336,7 @@ def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) ->
         state[f"{mlp}{name}.weight"] = torch.cat([w, new.to(w.dtype)], dim=0)
     down = state[f"{mlp}down_proj.weight"]
     state[f"{mlp}down_proj.weight"] = torch.cat([down, down.new_zeros(H, extra)], dim=1)
-    wide.load_state_dict(state)
-    wide.embed_tokens.weight.requires_grad_(model.embed_tokens.weight.requires_grad)
+    wide.load_state_dict(state)   # embed_tokens' requires_grad follows the config (own_embedding), as before
     return wide.train(model.training)
 
 
