@@ -6,6 +6,8 @@ Arms (``ARMS``; every arm decontaminated against the three evaluation sets and n
     b     all fourteen files of ../shared/data/train, GSM8K capped at 2,500 conversations
     c10   b plus 10,000 prompts SmolLM2 wrote itself (Magpie, ``prepare.self_prompts``)
     c30   b plus 30,000 of them
+    d     all fourteen files with GSM8K uncapped, every prompt of ``--self-prompts-file`` and ``--more-self-prompts``
+          new ones (sampled with ``--self-prompt-seed``; near-duplicates across the two removed by prepare)
 
 Phases of ``all`` (one process on the device, started with setsid so that it outlives each device call; ``wait``
 calls watch it; every stage is Eyas's own, ``python -m eyas.cli STAGE CONFIG``):
@@ -57,6 +59,7 @@ GSM8K_CAP = 2500
 PROBE_SETS = {"mt_bench": ("eval/mt_bench.jsonl", "mt_bench"), "humaneval": ("eval/humaneval.jsonl", "prompts"),
               "gsm8k": ("eval/gsm8k_test.jsonl", "gsm8k")}
 T0 = time.time()
+ORDER = ["a", "b", "c10", "c30", "d"]   # by size: the largest arm asked for is generated in full
 VARIANTS: dict[str, tuple[str, list[str]]] = {}   # --variant: name -> (the arm whose data it trains on, its --sets)
 
 
@@ -74,15 +77,18 @@ def source(name: str, **extra) -> dict:
     return s
 
 
-def arms(self_file: str, max_rows: int | None) -> dict[str, list[dict]]:
-    """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check)."""
+def arms(self_file: str, max_rows: int | None, more_file: str | None = None) -> dict[str, list[dict]]:
+    """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_file``: arm d's newly
+    sampled self-prompts."""
     lim = {"max_rows": max_rows} if max_rows else {}
     five = [source(n, **lim) for n in FIVE]
     capped = [source(n, **lim, **({"max_conversations": GSM8K_CAP} if n == "gsm8k_train.jsonl" else {}))
               for n in FIVE + NINE]
     return {"a": five, "b": capped,
             "c10": capped + [{"path": self_file, "format": "prompts", "max_conversations": 10000}],
-            "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}]}
+            "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}],
+            "d": [source(n, **lim) for n in FIVE + NINE] + [{"path": self_file, "format": "prompts", **lim}]
+            + ([{"path": more_file, "format": "prompts", **lim}] if more_file else [])}
 
 
 def data_arm(name: str) -> str:
@@ -244,27 +250,34 @@ def cmd_all(args) -> None:
         chosen.append(name)
     unknown = {data_arm(n) for n in chosen} - set(arms(self_file, None))
     if unknown:
-        raise SystemExit(f"--arms/--variant: unknown {sorted(unknown)} (arms: a, b, c10, c30)")
+        raise SystemExit(f"--arms/--variant: unknown {sorted(unknown)} (arms: {', '.join(ORDER)})")
+    if "d" in {data_arm(n) for n in chosen} and not args.self_prompts_file:
+        raise SystemExit("arm d takes --self-prompts-file (and --more-self-prompts N new ones beside it)")
     results["variants"] = {n: {"arm": a, "sets": s} for n, (a, s) in VARIANTS.items()}
     # the arm generated in full (the largest asked for); the others reuse its replies
     full = max([n for n in chosen if n not in VARIANTS] or [data_arm(n) for n in chosen],
-               key=["a", "b", "c10", "c30"].index)
+               key=ORDER.index)
     if full not in chosen:
         chosen.insert(0, full)
 
     # 1. the self-prompts, once (only the c arms use them)
-    if any(a.startswith("c") for a in chosen) and not args.self_prompts_file:
-        _self_prompts(runs, args, self_file, results)
+    if any(data_arm(a).startswith("c") for a in chosen) and not args.self_prompts_file:
+        _self_prompts(runs, args, self_file, results, args.self_prompts, "self_prompts")
         save()
-    _run_arms(runs, args, self_file, results, save, chosen, full)
+    more_file = None
+    if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts:
+        more_file = str(runs / "self_prompts_more.jsonl")
+        _self_prompts(runs, args, more_file, results, args.more_self_prompts, "more_self_prompts")
+        save()
+    _run_arms(runs, args, self_file, results, save, chosen, full, more_file)
 
 
-def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
+def _self_prompts(runs: Path, args, self_file: str, results: dict, count: int, key: str) -> None:
     sp = write_config(runs, "selfp", {"prepare.sources": [], "prepare.self_prompts": {
-        "count": args.self_prompts, "max_tokens": args.self_prompt_tokens, "min_chars": 16, "languages": ["en"],
-        "seed": 0}},
+        "count": count, "max_tokens": args.self_prompt_tokens, "min_chars": 16, "languages": ["en"],
+        "seed": args.self_prompt_seed}},
         args.set)
-    log(runs, f"selfp: {args.self_prompts} self-prompts asked")
+    log(runs, f"selfp: {count} self-prompts asked (seed {args.self_prompt_seed})")
     eyas("prepare", sp, logfile=runs / "selfp.log")
     from eyas.records import read_conversations
 
@@ -273,13 +286,15 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict) -> None:
         for c in convs:
             f.write(json.dumps(c.messages[0].content) + "\n")
     rep = json.loads((runs / "selfp" / "prepare" / "report.json").read_text())
-    results["self_prompts"] = {"kept": len(convs), **rep["sources"][0]}
+    results[key] = {"kept": len(convs), **rep["sources"][0]}
     log(runs, f"selfp: {len(convs)} kept; {rep['sources'][0].get('self_prompts')}")
 
 
-def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str) -> None:
+def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str,
+              more_file: str | None) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    srcs = {name: arms(self_file, args.max_rows)[data_arm(name)] for name in chosen}   # each arm's prepare.sources
+    every = arms(self_file, args.max_rows, more_file)
+    srcs = {name: every[data_arm(name)] for name in chosen}   # each arm's prepare.sources
     cfgs = {name: write_config(runs, name, {"prepare.sources": srcs[name], "generate.reuse_from": args.reuse_from},
                                args.set)
             for name in chosen}
@@ -475,6 +490,9 @@ def main() -> None:
     ap.add_argument("--self-prompts-file", default=None,
                     help="the c arms' self-prompts from this prompts file (JSONL of strings, compressed or not) "
                          "instead of writing them (e.g. bench/results/mix/warm/self_prompts.jsonl.xz)")
+    ap.add_argument("--more-self-prompts", type=int, default=0,
+                    help="arm d: this many new self-prompts asked beside --self-prompts-file's")
+    ap.add_argument("--self-prompt-seed", type=int, default=0, help="prepare.self_prompts.seed of the sampling")
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
     ap.add_argument("--reuse-from", action="append", default=[],
