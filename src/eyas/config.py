@@ -239,6 +239,18 @@ class ExtractConfig(Section):
     ignore_disk_space: bool = Field(
         False, description="start even when the store's disk has less free space than the bytes extract will "
         "write (it refuses otherwise); does not change the store, so it is not part of the stage's fingerprint")
+    labels: Literal["hidden", "topk"] = Field(
+        "hidden", description="what the store keeps for the soft labels: 'hidden', the post-norm last hidden state "
+        "(H values a token; training applies the target's lm_head); 'topk', the target's distribution over the "
+        "run's draft vocabulary kept as its label_topk most probable draft ids and their probabilities (4k + 1 "
+        "bytes a token; made by extract after the vocab stage, read by offline training over that same draft "
+        "vocabulary only; online training ignores it)")
+    label_topk: int = Field(
+        32, ge=1, le=4096, description="labels: topk: draft ids kept a token; extract reports the mean mass each k "
+        "holds (its summary's label_mass_by_k) and the smallest k holding label_mass, to choose it by")
+    label_mass: float = Field(
+        0.99, gt=0.0, le=1.0, description="labels: topk: the mean share of the draft-vocabulary mass the top k "
+        "should hold; extract warns, naming the k that would, when label_topk holds less")
 
     @field_validator("layer_ids")
     @classmethod
@@ -294,6 +306,12 @@ class TrainConfig(Section):
     device: str = "auto"
     autocast: Literal["auto", "none", "bfloat16"] = Field(
         "auto", description="bf16 autocast over fp32 master weights; auto: on CUDA, off on the CPU")
+    fp8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="fp8 matrix products in the draft's linear layers (fc, q/k/v/o, gate/up/down; not "
+        "lm_head, nor the target's lm_head that makes the labels) through torchao's float8 training, with one scale "
+        "per tensor or per row; needs a CUDA GPU of compute capability >= 8.9 (L40S, RTX 4090, H100, H200) and "
+        "torchao (pip install 'eyas[fp8]'), elsewhere it falls back to the products train.autocast gives, saying "
+        "so; off by default: acceptance with it is not yet measured to equal bf16's")
     draft: DraftConfig = Field(default_factory=DraftConfig)
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: states from the extract stage's store; online: the target runs in the "
@@ -329,6 +347,11 @@ class TrainConfig(Section):
         if bad:
             raise ValueError(f"AdamW betas must each be in [0, 1): {', '.join(bad)}")
         return v
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_off(cls, v: Any) -> Any:
+        return "off" if v is False else v     # YAML 1.1 reads an unquoted `fp8: off` as false
 
 
 class ExportConfig(Section):

@@ -75,6 +75,9 @@ class ExtractSummary(Summary):
     bytes_per_token: float
     tokens_per_s: float | None  # of this run's extraction (None when nothing was left to extract)
     ranks: int
+    labels: str = "hidden"      # extract.labels: the last hidden state, or top-k labels (label_topk ids a token)
+    label_topk: int | None = None
+    label_mass_by_k: dict[int, float] | None = None   # measured: mean draft-vocabulary mass the top k ids hold
 
 
 _ACC = re.compile(r"(eval_)?acc_(\d+)$")
@@ -96,6 +99,8 @@ class TrainSummary(Summary):
     tokens_per_s: float
     stopped_early: bool | None = None   # the held-out stop rule ended the run (train.stop_after_no_gain)
     stopped_on_request: bool | None = None  # RUN/train/STOP ended the run before its schedule did
+    fp8: str = "off"                # the fp8 scaling the draft's matrix products used (train.fp8; "off": none)
+    fp8_fallback: str | None = None  # why train.fp8 was asked for but not used (the device, its GPU, no torchao)
 
     @model_validator(mode="before")
     @classmethod

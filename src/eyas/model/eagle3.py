@@ -103,8 +103,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear, weights: dict | None, name: str) -> torch.Tensor:
-    """``layer(x)``, or ``weights[name]`` (a TTT forward's once-cast copy, :meth:`Eagle3DecoderLayer.ttt_weights`)."""
-    return layer(x) if weights is None else F.linear(x, weights[name])
+    """``layer(x)``, or ``weights[name]`` where it is given (a TTT forward's once-cast copy,
+    :meth:`Eagle3DecoderLayer.ttt_weights`)."""
+    w = None if weights is None else weights.get(name)
+    return layer(x) if w is None else F.linear(x, w)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -198,13 +200,17 @@ class Eagle3DecoderLayer(nn.Module):
         modules as they are). Under autocast over fp32 master weights each compiled step would otherwise cast
         (and keep for backward) its own bf16 copy: K copies of the layer, 3.4 GB at TTT 7 for a
         Llama-3.1-8B-shaped draft. The same bf16 values autocast uses; the K steps' gradients meet at the one
-        cast, as under eager autocast's weight cache."""
+        cast, as under eager autocast's weight cache.
+
+        Only plain ``nn.Linear`` layers get a copy: a layer replaced by a module with its own product (torchao's
+        ``Float8Linear``, ``train.fp8``: :mod:`eyas.train.fp8`) runs through its forward, which casts its weight
+        itself (to fp8, keeping only the fp32 parameter for backward)."""
         if dtype is None:
             return None
         a, m = self.self_attn, self.mlp
         layers = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
                   "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj}
-        return {name: layer.weight.to(dtype) for name, layer in layers.items()}
+        return {name: layer.weight.to(dtype) for name, layer in layers.items() if type(layer) is nn.Linear} or None
 
     def ttt_step(self, emb, hidden, cos, sin, ks: list, vs: list, num_steps: int, weights: dict | None = None):
         """Training: one TTT step. emb, hidden [B, T, H]; ``ks``/``vs`` earlier steps' keys/values; ``weights``

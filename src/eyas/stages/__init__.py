@@ -74,6 +74,11 @@ _NEUTRAL = {
                  "openai.max_retries", "reuse_from"},  # reuse_from: only runs whose replies are the same are read
 }
 
+# Fields added after run folders were made with their sections: left out of a fingerprint while at this value (the
+# behaviour before the field existed), so a store or a training run made before is still current. A field set to
+# anything else is hashed, and changes the fingerprint as any other.
+_OMITTED_AT = {"train": {"fp8": "off"}, "extract": {"labels": "hidden", "label_topk": 32, "label_mass": 0.99}}
+
 
 @cache
 def stage_module(stage: str) -> ModuleType:
@@ -117,6 +122,9 @@ def _value(cfg: RunConfig, dotted: str) -> Any:
                 n = n.get(p) if isinstance(n, dict) else None
             if isinstance(n, dict):
                 n.pop(leaf, None)
+        for k, at in _OMITTED_AT.get(section, {}).items():
+            if d.get(k) == at:
+                d.pop(k)
     return d
 
 

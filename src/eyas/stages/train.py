@@ -104,6 +104,8 @@ def run(ctx: RunContext) -> TrainSummary:
         d2t, t2d = load_vocab(ctx.run.vocab)
         dcfg = draft_config_for(target_cfg, cfg.draft, len(d2t), len(layer_ids))
         model = build_draft(dcfg, embed, d2t, t2d, cfg.seed)
+    if cfg.mode == "offline" and header.topk:
+        _check_label_vocab(ctx, model, header)
     train_idx, held_idx = split_held_out(len(dataset), min(cfg.eval_samples, len(dataset) - 1), cfg.seed)
     train_set, held_out = dataset.subset(train_idx), (dataset.subset(held_idx) if held_idx else None)
     if not len(train_set):  # the loop divides by the batches of an epoch
@@ -127,6 +129,21 @@ def run(ctx: RunContext) -> TrainSummary:
         tdist.broadcast_object_list(box, src=0)
         summary = box[0]
     return summary
+
+
+def _check_label_vocab(ctx: RunContext, model, header) -> None:
+    """A top-k store's labels are distributions over the draft vocabulary they were made with: the draft must
+    predict over the same one. Raises :class:`EyasError` naming both when it does not (a ``train.init_from``
+    drafter keeps its own vocabulary)."""
+    import torch
+
+    d2t, _ = load_vocab(ctx.run.vocab)
+    if len(d2t) != header.draft_vocab_size or not torch.equal(model.d2t.cpu(), d2t):
+        where = f"train.init_from: {ctx.cfg.train.init_from}" if ctx.cfg.train.init_from else "the draft"
+        raise EyasError(f"{where} predicts over another draft vocabulary ({len(model.d2t)} ids) than the one "
+                        f"{ctx.run.store}'s top-{header.label_topk} labels are made over ({header.draft_vocab_size} "
+                        f"ids, {ctx.run.vocab}): train from the run's vocabulary (no init_from), or extract with "
+                        f"extract.labels: hidden (the last hidden state, from which any vocabulary's labels follow)")
 
 
 def _grow_to_asked_shape(model, cfg, log):
@@ -163,5 +180,7 @@ def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int
     summary = summarise_metrics(ctx.run.train_metrics, cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
                    tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1),
-                   stopped_early=result.stopped_early)
+                   stopped_early=result.stopped_early, fp8=result.fp8.recipe)
+    if result.fp8.fallback:
+        summary.update(fp8_fallback=result.fp8.fallback)
     return TrainSummary(**summary)

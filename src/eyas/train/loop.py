@@ -28,8 +28,9 @@ from ..errors import EyasError
 from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from .data import collate, epoch_plan, micro_batch_loader
-from .loss import TargetLabels, step_counts, target_labels, ttt_loss_fused
+from .data import STATE_KEYS, collate, epoch_plan, micro_batch_loader
+from .fp8 import Fp8Conversion, apply_fp8_training
+from .loss import TargetLabels, batch_labels, step_counts, ttt_loss_fused
 from .metrics import StepMetrics
 
 # batch dict (from collate, on the device) -> the same dict with ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] filled
@@ -38,13 +39,15 @@ StateSource = Callable[[dict, torch.device], dict]
 
 
 def stored_states(batch: dict, device: torch.device) -> dict:
-    """Offline: the states came from the store with the batch; make sure they are on the device."""
-    return {**batch, "aux": batch["aux"].to(device), "last": batch["last"].to(device)}
+    """Offline: the states (``aux`` and ``last``, or a top-k store's ``label_*``) came from the store with the
+    batch; make sure they are on the device."""
+    return {**batch, **{k: batch[k].to(device) for k in STATE_KEYS if k in batch}}
 
 
 @dataclass
 class TrainResult:
-    """``final_state``: the draft's trainable tensors (full, CPU; gathered under FSDP), on process 0 only."""
+    """``final_state``: the draft's trainable tensors (full, CPU; gathered under FSDP), on process 0 only.
+    ``fp8``: what ``train.fp8`` did (the recipe used, or the reason it fell back)."""
 
     steps: int
     tokens: int
@@ -52,6 +55,7 @@ class TrainResult:
     seconds: float
     final_state: dict
     stopped_early: bool = False
+    fp8: Fp8Conversion = Fp8Conversion("off")
 
 
 @dataclass
@@ -137,7 +141,7 @@ class DeviceBatches:
                     v.record_stream(cur)
         self.ahead = self._copy()
         b = self.states(batch, self.device)
-        b = {**b, "aux": b["aux"].to(self.dtype), "last": b["last"].to(self.dtype)}
+        b = {**b, **{k: b[k].to(self.dtype) for k in ("aux", "last") if k in b}}
         if b.get("weightless"):  # no sample for this process in the epoch's last global micro-batch
             b.update(loss_mask=torch.zeros_like(b["loss_mask"]), ids=[],
                      attention_mask=torch.zeros_like(b["attention_mask"]))
@@ -226,6 +230,9 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     device = dist.device
     speed = Speed.resolve(cfg, device, offline=states is stored_states)
     model.to(device)
+    float_dtype = torch.bfloat16 if speed.autocast else torch.float32
+    # before compile and the DDP/FSDP2 wrapper, which must see the converted modules; state_dict keys unchanged
+    fp8 = apply_fp8_training(model, cfg.fp8, device, log, matmul_dtype=float_dtype)
     attention = cfg.attention
     if attention == "flex" and device.type == "cpu":   # flex_attention has no CPU backward (torch 2.11-2.13)
         warnings.warn("train.attention=flex has no backward on the CPU: training with 'sdpa' (the same function)",
@@ -235,7 +242,6 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     model.gradient_checkpointing = cfg.gradient_checkpointing
     if speed.compile:
         model.compile_ttt()
-    float_dtype = torch.bfloat16 if speed.autocast else torch.float32
     lm_head = lm_head.to(device, float_dtype if speed.autocast else lm_head.dtype)
     trainable_keys = set(model.trainable_state_dict())
     step_module = dist.wrap(DraftWithLoss(model, cfg, speed.compile))
@@ -272,7 +278,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
                 break
             batch = next(batches)
             batch_ids += batch["ids"]
-            labels = target_labels(batch["last"], lm_head, draft_ids, t2d, batch["loss_mask"])
+            labels = batch_labels(batch, lm_head, draft_ids, t2d)
             counts = dist.all_reduce(step_counts(labels, K))                       # [K], global batch
             with autocast:
                 loss, m = step_module(batch["input_ids"], batch["aux"], labels, counts)
@@ -326,7 +332,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     final_state = {k[len("draft."):]: v for k, v in full.items() if k[len("draft."):] in trainable_keys}
     return TrainResult(steps=step, tokens=tokens_seen, final_metrics=metrics.to_json() if metrics else {},
                        seconds=time.time() - t0, final_state=final_state if dist.is_main else {},
-                       stopped_early=stopped_early)
+                       stopped_early=stopped_early, fp8=fp8)
 
 
 @torch.no_grad()
@@ -345,7 +351,7 @@ def evaluate_held_out(step_module, held_out, states: StateSource, lm_head, draft
         b = starts[r + dist.rank] if mine else 0
         cpu = collate([held_out[i] for i in range(b, min(b + cfg.batch_size, len(held_out)))], pad_to)
         batch = states({k: (v.to(dist.device) if torch.is_tensor(v) else v) for k, v in cpu.items()}, dist.device)
-        labels = target_labels(batch["last"].to(float_dtype), lm_head, draft_ids, t2d, batch["loss_mask"])
+        labels = batch_labels(batch, lm_head, draft_ids, t2d, float_dtype)
         ones = torch.ones(K, device=dist.device)        # denominators 1: the loss terms are CE sums
         with autocast:
             _, m = step_module(batch["input_ids"], batch["aux"].to(float_dtype), labels, ones)
