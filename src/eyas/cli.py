@@ -289,9 +289,10 @@ def plan(
     t.add_row("aux layers (output_of_layer)", f"{p.layer_ids} + last hidden state")
     t.add_row("tokens per sample", f"{p.mean_tokens_per_sample:.1f} (mean of {p.sampled_samples} rendered)")
     t.add_row("dataset", f"{p.dataset_samples} samples, {p.dataset_tokens:,} tokens")
-    for k, label in (("bfloat16", "bf16"), ("fp8", "fp8 aux")):
+    for k, label in (("bfloat16", "bf16"), ("fp8", "fp8 aux"), ("fp8_topk", "fp8 aux + top-k labels")):
         t.add_row(f"store, {label}", f"{p.bytes_per_token[k]:,} B/token ({p.bytes_per_token[k] / 1024:.1f} KiB); "
-                  f"dataset {human_bytes(p.dataset_bytes[k])}; per 100K samples {human_bytes(p.bytes_per_100k_samples[k])}")
+                  f"dataset {human_bytes(p.dataset_bytes[k])}; per 100K samples "
+                  f"{human_bytes(p.bytes_per_100k_samples[k])}")
     t.add_row("prefill GPU-hours", f"dataset {p.dataset_prefill_gpu_hours:.2f}; per 100K samples "
               f"{p.prefill_gpu_hours_per_100k_samples:.2f} ({p.prefill_tokens_per_s:,.0f} tokens/s per GPU: "
               f"{p.prefill_assumption})")

@@ -13,8 +13,11 @@ are enough, so a 1T-parameter target can be planned on a laptop):
   ``H`` wide: ``(L + 1) * H * 2`` in bf16 (``8 * H`` for 3 aux layers: 56 KiB at H = 7168, FIELD_NOTES rule 5);
   with ``extract.aux_format: float8_e4m3fn`` the aux states take ``L * (H + 4)`` (one fp32 scale per token and
   layer, :mod:`eyas.store.fp8`) and the last state stays in ``extract.dtype`` (it gives the soft labels). Token ids
-  (int32, 4 bytes) are counted separately. ``store_bytes`` is what extract will write with the configured
-  ``extract.dtype`` / ``aux_format`` (ids included; 0 with ``train.mode: online``, which stores nothing).
+  (int32, 4 bytes) are counted separately. ``fp8_topk``: fp8 aux states and, in place of the last state, top-k labels
+  (``extract.labels: topk``, :mod:`eyas.store.labels`: ``k`` int16 draft ids, ``k`` fp16 probabilities and a flag
+  byte, ``4k + 1`` bytes at ``extract.label_topk``). ``store_bytes`` is what extract will write with the configured
+  ``extract.dtype`` / ``aux_format`` / ``labels`` (ids included; 0 with ``train.mode: online``, which stores
+  nothing).
 - the disk: the free space of the disk that will hold ``RUN/extract/store``. Past it, the plan warns and names the
   cheaper choices with their sizes (:attr:`Plan.cheaper`): fp8 aux states, online training (nothing stored),
   shorter samples (``tokenize.max_length`` halved, quartered); extract itself refuses to start then
@@ -44,6 +47,8 @@ from .data.formats import load_source
 from .errors import ConfigError
 from .families import check_run_servable, default_aux_layer_ids, family_of, text_config
 from .records import SkipCounter
+from .dtypes import DTYPES
+from .store.labels import label_bytes_per_token
 from .store.space import ID_BYTES, disk_free, hidden_state_bytes_per_token, store_bytes_per_token
 from .targets.load import load_tokenizer, materialize_target, read_target_config
 from .targets.weights import has_weights, weights_problems
@@ -267,8 +272,11 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
                           f"with the target's chat template ({skipped} skipped)")
     mean = sum(counts) / len(counts)
     L = len(layer_ids)
+    dv = cfg.vocab.size_for(V)                    # at most: the vocab stage may choose fewer ids by coverage
     per_tok = {"bfloat16": hidden_state_bytes_per_token(H, L, "bfloat16"),
                "fp8": hidden_state_bytes_per_token(H, L, cfg.extract.dtype, aux_fp8=True)}
+    per_tok["fp8_topk"] = (per_tok["fp8"] - H * DTYPES[cfg.extract.dtype].itemsize
+                           + label_bytes_per_token(cfg.extract.label_topk, dv))
     dataset_tokens = round(mean * n_samples)
     per_100k_tokens = round(mean * 100_000)
     total, active = parameter_counts(tcfg)
@@ -284,9 +292,11 @@ def plan(cfg: RunConfig, sample: int = 200, prefill_tokens_per_s: float | None =
     if skipped:
         notes.append(f"{skipped} sampled conversations could not be rendered and are left out of the mean")
     notes += weight_notes
-    store, store_bytes, free, cheaper, warnings = _store_fit(cfg, H, L, counts, n_samples)
+    store, store_bytes, free, cheaper, warnings = _store_fit(cfg, H, L, counts, n_samples, dv)
     warnings = weight_warnings + warnings
     store_kind = "fp8" if cfg.extract.aux_format == "float8_e4m3fn" else "bfloat16"
+    if cfg.extract.labels == "topk" and store_kind == "fp8":
+        store_kind = "fp8_topk"
     mode = choose_mode(cfg, tcfg, L, dataset_tokens, per_tok[store_kind], prefill_tokens_per_s, peak_flops, free)
     return Plan(
         mode=mode,
@@ -317,13 +327,15 @@ def _weights(cfg: RunConfig, tcfg: dict) -> tuple[list[str], list[str]]:
                 for p in problems]
 
 
-def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int):
+def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int, dv: int):
     """``(store path, store bytes as configured, free bytes, cheaper choices, warnings)`` (module docstring)."""
     store = Path(cfg.run_dir) / "extract" / "store"      # where the extract stage writes
     x = cfg.extract
 
-    def size(dtype=x.dtype, aux_format=x.aux_format, max_length=None) -> int:
-        per_token = store_bytes_per_token(H, L, dtype, aux_format)
+    topk = x.label_topk if x.labels == "topk" else 0
+
+    def size(dtype=x.dtype, aux_format=x.aux_format, max_length=None, label_topk=topk) -> int:
+        per_token = store_bytes_per_token(H, L, dtype, aux_format, label_topk, dv)
         mean = sum(min(n, max_length or n) for n in counts) / len(counts)
         return round(per_token * mean * n_samples)
 
@@ -333,6 +345,9 @@ def _store_fit(cfg: RunConfig, H: int, L: int, counts: list[int], n_samples: int
     if cfg.train.mode != "online":
         if x.aux_format != "float8_e4m3fn":
             cheaper["extract.aux_format: float8_e4m3fn"] = size(aux_format="float8_e4m3fn")
+        if not topk:
+            cheaper[f"extract.labels: topk (label_topk {x.label_topk}, with fp8 aux states)"] = size(
+                aux_format="float8_e4m3fn", label_topk=x.label_topk)
         cheaper["train.mode: online (the target runs in the training job; nothing stored)"] = 0
         longest = max(counts)
         for cut in (cfg.tokenize.max_length // 2, cfg.tokenize.max_length // 4):

@@ -75,6 +75,8 @@ def test_plan_warns_past_the_free_space_and_names_cheaper_choices(tmp_path, stor
     fp8 = 100_000 * 65_536 * (3 * (7168 + 4) + 7168 * 2 + 4)
     assert p.cheaper == {
         "extract.aux_format: float8_e4m3fn": fp8,
+        # fp8 aux states and the target's top 32 draft ids in place of the last state: 0.38x of bf16
+        "extract.labels: topk (label_topk 32, with fp8 aux states)": 100_000 * 65_536 * (3 * (7168 + 4) + 4 + 129),
         "train.mode: online (the target runs in the training job; nothing stored)": 0,
         "tokenize.max_length: 32768": p.store_bytes // 2,
         "tokenize.max_length: 16384": p.store_bytes // 4,

@@ -30,16 +30,19 @@ class CapturedSample:
 
     ``input_ids`` int [T] (the ids the target saw); ``aux`` [T, L, H]: outputs of the aux layers in
     ``output_of_layer`` order, in the store dtype, or float8_e4m3fn when ``aux_scale`` float32 [T, L] is given
-    (:mod:`eyas.store.fp8`); ``last`` [T, H]: post-norm last hidden state in the store dtype. ``finite``: the
-    backend checked on its device that every value of ``aux`` and ``last`` is finite (else the writer checks).
+    (:mod:`eyas.store.fp8`); ``last`` [T, H]: post-norm last hidden state in the store dtype, or None once
+    ``labels`` (:class:`~eyas.store.labels.CompactLabels` of the T tokens, a top-k store) were made from it.
+    ``finite``: the backend checked on its device that every value of ``aux`` and ``last`` is finite (else the
+    writer checks).
     """
 
     sample_id: str
     input_ids: torch.Tensor
     aux: torch.Tensor
-    last: torch.Tensor
+    last: torch.Tensor | None
     aux_scale: torch.Tensor | None = None
     finite: bool = False
+    labels: object | None = None
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ from ..batching import token_budget_batches
 from ..dtypes import DTYPES
 from ..records import TokenizedSample
 from ..store.fp8 import quantize_fp8
+from ..store.labels import CompactLabels
 from . import CapturedSample
 
 
@@ -74,6 +75,9 @@ class TransformersBackend:
         self.batch_tokens = batch_tokens
         self.store_dtype = store_dtype
         self.fp8 = aux_format == "float8_e4m3fn"
+        # set by extraction for a top-k store (eyas.store.labels.LabelMaker on this backend's device): the labels
+        # are made from the last state where it is, and replace it in what is copied to the host
+        self.labeler = None
         self.hidden_size = int(self.model.config.hidden_size)
         self.input_device = self.model.get_input_embeddings().weight.device
         self.engine = engine or {"name": "transformers", "version": transformers.__version__}
@@ -123,6 +127,9 @@ class TransformersBackend:
         # sample itself and name the bad one
         finite = (torch.isfinite(self._aux).all() & torch.isfinite(last).all().to(self._aux.device)).reshape(1)
         tensors = {"last": last, "finite": finite}
+        if self.labeler is not None:   # a top-k store: labels made here, only they leave the device
+            lab = self.labeler(last)
+            tensors = {"label_ids": lab.ids, "label_probs": lab.probs, "label_flags": lab.flags, "finite": finite}
         if self.fp8:
             tensors["aux"], tensors["aux_scale"] = quantize_fp8(self._aux)
         else:
@@ -174,8 +181,11 @@ class TransformersBackend:
         for r, s in enumerate(f.samples):
             a, b = f.offsets[r], f.offsets[r + 1]
             sc = f.tensors.get("aux_scale")
-            yield CapturedSample(s.id, f.ids[a:b], f.tensors["aux"][a:b], f.tensors["last"][a:b],
-                                 None if sc is None else sc[a:b], finite)
+            t = f.tensors
+            labels = (CompactLabels(t["label_ids"][a:b], t["label_probs"][a:b], t["label_flags"][a:b])
+                      if "label_ids" in t else None)
+            yield CapturedSample(s.id, f.ids[a:b], t["aux"][a:b], t["last"][a:b] if labels is None else None,
+                                 None if sc is None else sc[a:b], finite, labels)
 
     def capture(self, samples: Sequence[TokenizedSample]) -> Iterator[CapturedSample]:
         """Yield each sample's states (CPU), batch by batch; see :class:`eyas.capture.CaptureBackend`.

@@ -39,7 +39,8 @@ from ..targets.weights import check_target
 from .extraction import extract_store
 from .fp8 import fp8_has_nan
 from .header import expected_header
-from .shards import HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum
+from .labels import PROB_DTYPE, check_labels, label_id_dtype
+from .shards import HiddenStateStore, ManifestEntry, ShardRecord, read_header, sample_checksum, stored_tensor_names
 
 KINDS = ("missing", "corrupt", "foreign", "stale", "duplicate", "orphan")
 
@@ -134,11 +135,14 @@ def _read_records(store: HiddenStateStore, report: DoctorReport) -> list[ShardRe
 
 def _check_sample(f, e: ManifestEntry, header, dataset: dict | None) -> tuple[str, str] | None:
     """``(kind, reason)`` for a bad sample, ``None`` when it passes every check."""
-    L, H = len(header.layer_ids), header.hidden_size
-    names = ["input_ids", "aux"] + (["aux_scale"] if header.fp8 else []) + ["last"]
+    L, H, k = len(header.layer_ids), header.hidden_size, header.label_topk
+    names = stored_tensor_names(header)
     want = {"input_ids": ((e.tokens,), torch.int32), "aux": ((e.tokens, L, H), header.aux_dtype),
-            "aux_scale": ((e.tokens, L), torch.float32), "last": ((e.tokens, H), DTYPES[header.dtype])}
-    if list(e.aux_shape) != [e.tokens, L, H] or list(e.last_shape) != [e.tokens, H] or e.dtype != header.dtype:
+            "aux_scale": ((e.tokens, L), torch.float32), "last": ((e.tokens, H), DTYPES[header.dtype]),
+            "label_ids": ((e.tokens, k), label_id_dtype(header.draft_vocab_size)),
+            "label_probs": ((e.tokens, k), PROB_DTYPE), "label_flags": ((e.tokens,), torch.uint8)}
+    last_shape = [e.tokens, k] if header.topk else [e.tokens, H]
+    if list(e.aux_shape) != [e.tokens, L, H] or list(e.last_shape) != last_shape or e.dtype != header.dtype:
         return "corrupt", f"manifest shapes {e.aux_shape}/{e.last_shape} ({e.dtype}) disagree with the header"
     try:
         t = {n: f.get_tensor(f"{e.id}.{n}") for n in names}
@@ -150,9 +154,13 @@ def _check_sample(f, e: ManifestEntry, header, dataset: dict | None) -> tuple[st
             return "corrupt", f"{n} is {t[n].dtype} {tuple(t[n].shape)}, expected {dtype} {shape}"
     if sample_checksum(*(t[n] for n in names)) != e.checksum:
         return "corrupt", "checksum mismatch (bytes changed after commit)"
-    floats = [t["last"]] + ([t["aux_scale"]] if header.fp8 else [t["aux"]])
+    floats = ([] if header.topk else [t["last"]]) + ([t["aux_scale"]] if header.fp8 else [t["aux"]])
     if any(not bool(torch.isfinite(x).all()) for x in floats) or (header.fp8 and fp8_has_nan(t["aux"])):
         return "corrupt", "non-finite hidden states"
+    if header.topk:
+        problem = check_labels(t["label_ids"], t["label_probs"], t["label_flags"], header.draft_vocab_size)
+        if problem:
+            return "corrupt", problem
     if dataset is not None and t["input_ids"].tolist() != dataset[e.id]:
         return "stale", "stored token ids differ from the tokenized dataset's (computed from other tokens)"
     return None

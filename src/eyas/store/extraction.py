@@ -20,6 +20,7 @@ samples when :func:`extract_store` returns.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -34,10 +35,12 @@ from ..records import TokenizedSample, read_tokenized
 from ..run_folder import RunFolder
 from ..summaries import ExtractSummary
 from ..targets.load import resolve_device
+from ..dtypes import DTYPES
 from .header import expected_header
+from .labels import LabelMaker, smallest_k
 from .pipeline import BackgroundWriter
 from .shards import HiddenStateStore, StoreHeader
-from .space import SAMPLE_OVERHEAD_BYTES, check_disk_space, disk_free, store_bytes_per_token
+from .space import SAMPLE_OVERHEAD_BYTES, check_disk_space, disk_free, header_bytes_per_token
 
 
 def plan_batches(samples: list[TokenizedSample], batch_tokens: int) -> list[list[TokenizedSample]]:
@@ -92,7 +95,9 @@ def extract_store(target: TargetConfig, extract: ExtractConfig, run: RunFolder,
     return ExtractSummary(samples=len(samples), tokens=total_tokens, layer_ids=header.layer_ids,
                           layer_convention=header.layer_convention, dtype=extract.dtype, aux_format=extract.aux_format,
                           store_bytes=total_bytes, bytes_per_token=round(total_bytes / max(total_tokens, 1), 1),
-                          tokens_per_s=stats.get("tokens_per_s"), ranks=dist.world)
+                          tokens_per_s=stats.get("tokens_per_s"), ranks=dist.world, labels=header.label_format,
+                          label_topk=header.label_topk if header.topk else None,
+                          label_mass_by_k=stats.get("label_mass_by_k"))
 
 
 def check_store_space(extract: ExtractConfig, run: RunFolder, header: StoreHeader, samples: list[TokenizedSample],
@@ -110,7 +115,7 @@ def check_store_space(extract: ExtractConfig, run: RunFolder, header: StoreHeade
             stored = set()   # an unreadable or foreign store is refused by create_or_open, with its reason
     todo = [s for s in samples if s.id not in stored]
     tokens = sum(s.num_tokens for s in todo)
-    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    per_token = header_bytes_per_token(header)
     need = bytes_to_store(header, todo)
     log(f"[eyas] extract: will write {human_bytes(need)} ({len(todo)} samples, {tokens:,} tokens x {per_token:,} "
         f"bytes/token, plus {SAMPLE_OVERHEAD_BYTES} bytes per sample of shard headers and manifest lines) to "
@@ -124,7 +129,7 @@ def bytes_to_store(header: StoreHeader, samples: list[TokenizedSample]) -> int:
     plus :data:`~eyas.store.space.SAMPLE_OVERHEAD_BYTES` per sample. A shard being written is the shard it will
     be (written under a temporary name and renamed, never copied), and the in-memory buffers that fill shards are
     not on disk, so nothing more is in flight."""
-    per_token = store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format)
+    per_token = header_bytes_per_token(header)
     return sum(s.num_tokens for s in samples) * per_token + len(samples) * SAMPLE_OVERHEAD_BYTES
 
 
@@ -166,6 +171,13 @@ def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenS
     # under torchrun on GPUs each rank's replica goes to its own GPU; else the configured device
     device = str(dist.device) if dist.world > 1 and dist.device.type == "cuda" else None
     backend = make_backend(extract.backend, target, extract, store.header.layer_ids, device)
+    labeler = None
+    if store.header.topk:
+        # made where the states are when the backend can (only 4k + 1 bytes a token leave the device); else here
+        on_backend = hasattr(backend, "labeler")
+        labeler = make_labeler(target, store, backend.input_device if on_backend else device)
+        if on_backend:
+            backend.labeler = labeler
     writer = BackgroundWriter(store.shard_writer(rank=dist.rank), extract.shard_bytes)
     bar = tqdm(total=sum(asked[s].num_tokens for s in wanted), desc=f"extract[{dist.rank}]", unit="tok",
                unit_scale=True, dynamic_ncols=True, disable=dist.rank != 0)
@@ -181,6 +193,8 @@ def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenS
                                  f"tokenized dataset's")
             if s.id in wanted:
                 wanted.discard(s.id)
+                if labeler is not None and cs.labels is None:
+                    cs = dataclasses.replace(cs, last=None, labels=labeler(cs.last))
                 writer.put(cs)
                 bar.update(s.num_tokens)
     finally:
@@ -192,4 +206,49 @@ def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenS
     seconds = time.time() - t0
     log(f"[eyas] extract[{dist.rank}]: {writer.tokens} tokens in {seconds:.1f} s "
         f"({writer.tokens / max(seconds, 1e-9):.0f} tokens/s)")
-    return {"tokens": writer.tokens, "tokens_per_s": round(writer.tokens / max(seconds, 1e-9), 1)}
+    out = {"tokens": writer.tokens, "tokens_per_s": round(writer.tokens / max(seconds, 1e-9), 1)}
+    if labeler is not None and labeler.rows:
+        out["label_mass_by_k"] = curve = labeler.curve()
+        k, want = store.header.label_topk, extract.label_mass
+        held = _mass_at(curve, k)
+        enough = smallest_k(curve, want)
+        log(f"[eyas] extract[{dist.rank}]: the top {k} draft ids hold {held:.4f} of the target's draft-vocabulary "
+            f"mass on average over {labeler.rows:,} tokens (extract.label_mass asks {want}; the smallest k that "
+            f"holds it: {enough or f'more than {max(curve)}'})")
+        if held < want:
+            log(f"[eyas] warning: extract.label_topk {k} holds less than extract.label_mass {want} "
+                f"({held:.4f}); the rest is spread evenly over the other draft ids when training reads the labels. "
+                f"Set extract.label_topk: {enough or max(curve)} and rebuild the store (`eyas extract CONFIG "
+                f"--force`) to keep more")
+    return out
+
+
+def _mass_at(curve: dict[int, float], k: int) -> float:
+    """The mean mass at ``k`` from a measured curve (linear between measured ks; the last one beyond them)."""
+    ks = sorted(curve)
+    if k in curve:
+        return curve[k]
+    lo = max([x for x in ks if x < k], default=ks[0])
+    hi = min([x for x in ks if x > k], default=ks[-1])
+    if hi == lo:
+        return curve[lo]
+    return curve[lo] + (curve[hi] - curve[lo]) * (k - lo) / (hi - lo)
+
+
+def make_labeler(target: TargetConfig, store: HiddenStateStore, device) -> LabelMaker:
+    """The top-k label maker of a top-k store: the target's lm_head (from its safetensors files) and the run's
+    draft vocabulary, checked against the store header's (its sha256). Raises :class:`StoreError` when the run's
+    vocabulary is not the one the store's labels are made over."""
+    from ..data.vocab import load_vocab
+    from ..io import sha256_file
+    from ..targets.load import load_target_head
+
+    h = store.header
+    vocab = RunFolder(store.root.parent.parent).vocab   # the run whose RUN/extract/store this is
+    if not vocab.exists() or sha256_file(vocab) != h.draft_vocab_sha256:
+        raise StoreError(f"{store.root}: its top-{h.label_topk} labels are made over another draft vocabulary than "
+                         f"{vocab}; rebuild the store with `eyas extract CONFIG --force`")
+    d2t, t2d = load_vocab(vocab)
+    _embed, lm_head = load_target_head(target)
+    dev = resolve_device(target.device) if device is None else device
+    return LabelMaker(lm_head, d2t, t2d, h.label_topk, device=dev, dtype=DTYPES[h.dtype])

@@ -49,6 +49,7 @@ def expected_header(target: TargetConfig, extract: ExtractConfig, run: RunFolder
     tcfg = text_config(read_target_config(target))
     path = materialize_target(target)
     meta = read_json(run.tokenize_meta)
+    labels = label_fields(extract, run)
     return StoreHeader(
         run_id=run.run_id(),
         target={"path": str(path), "config_sha256": sha256_file(path / "config.json"),
@@ -62,4 +63,24 @@ def expected_header(target: TargetConfig, extract: ExtractConfig, run: RunFolder
         dtype=extract.dtype,
         aux_format=extract.aux_format,
         engine=engine or engine_info(extract.backend, target, extract),
+        **labels,
     )
+
+
+def label_fields(extract: ExtractConfig, run: RunFolder) -> dict:
+    """The header's label fields: ``{}`` (the last hidden state is stored) or, for ``extract.labels: topk``, the
+    format, k and the draft vocabulary the labels are made over (its size and the sha256 of
+    ``RUN/vocab/vocab.safetensors``). Raises :class:`ConfigError` when the vocab stage has not written one."""
+    if extract.labels != "topk":
+        return {}
+    if not run.vocab.exists():
+        raise ConfigError(f"extract.labels: topk keeps the target's distribution over the draft vocabulary, and "
+                          f"{run.vocab} does not exist: run `eyas vocab CONFIG` before extract (`eyas run` does)")
+    from safetensors import safe_open
+
+    with safe_open(str(run.vocab), framework="pt") as f:
+        dv = int(f.get_slice("d2t").get_shape()[0])
+    if extract.label_topk > dv:
+        raise ConfigError(f"extract.label_topk: {extract.label_topk} is more than the draft vocabulary's {dv} ids")
+    return {"label_format": "topk", "label_topk": extract.label_topk, "draft_vocab_size": dv,
+            "draft_vocab_sha256": sha256_file(run.vocab)}

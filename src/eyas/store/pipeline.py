@@ -49,13 +49,15 @@ class BackgroundWriter:
         """Queue one captured sample (CPU tensors). Raises the writer's first error, if any, here."""
         if self.error is not None:
             raise self.error
-        nbytes = sum(t.numel() * t.element_size() for t in (cs.aux, cs.last) if t is not None)
+        lab = cs.labels
+        held = (cs.aux, cs.last) + ((lab.ids, lab.probs) if lab is not None else ())
+        nbytes = sum(t.numel() * t.element_size() for t in held if t is not None)
         with self._cond:
             while self._pending_bytes > self.max_pending_bytes and self.error is None:
                 self._cond.wait()
             self._pending_bytes += nbytes
         fut = self.pool.submit(self.writer.prepare, cs.sample_id, cs.input_ids, cs.aux, cs.last, cs.aux_scale,
-                               cs.finite)
+                               cs.finite, cs.labels)
         self._queue.put((fut, nbytes))
 
     def _run(self) -> None:

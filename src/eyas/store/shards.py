@@ -12,11 +12,15 @@ Tensors of sample ``sid`` inside a shard (T tokens, H target hidden size, L aux 
 - ``{sid}.aux``       [T, L, H]        aux hidden states (outputs of the aux layers, ``output_of_layer`` ids), in
   the store dtype, or float8_e4m3fn when ``aux_format`` is ``float8_e4m3fn``;
 - ``{sid}.aux_scale`` float32 [T, L]   fp8 only: one scale per token and layer (:mod:`eyas.store.fp8`);
-- ``{sid}.last``      [T, H]           last hidden state, after the final norm (as SGLang / HF / SpecForge).
+- ``{sid}.last``      [T, H]           last hidden state, after the final norm (as SGLang / HF / SpecForge);
+  or, with ``label_format`` ``topk`` (``extract.labels: topk``), in its place the target's distribution over the
+  draft vocabulary as its top k (:mod:`eyas.store.labels`): ``{sid}.label_ids`` int16/int32 [T, k],
+  ``{sid}.label_probs`` float16 [T, k], ``{sid}.label_flags`` uint8 [T].
 Readers get ``aux`` back in the store dtype (fp8 de-quantised).
 
 A manifest line is ``{"run_id", "shard", "bytes", "header_sha256", "samples": [ManifestEntry...]}``. A sample's
-``checksum`` is sha256 over its stored tensors' raw bytes (input_ids, aux, [aux_scale,] last, in that order). The
+``checksum`` is sha256 over its stored tensors' raw bytes (input_ids, aux, [aux_scale,] last or the three label
+tensors, in that order). The
 file size, the sha256 of the safetensors header (tensor names, dtypes, shapes, offsets, run id) and the per-sample
 checksums together pin every byte of a shard, so no whole-file hash is computed at write time.
 
@@ -42,6 +46,7 @@ from ..dtypes import DTYPES, SAFETENSORS_CODES
 from ..errors import StoreError
 from ..io import JsonlAppender, atomic_path, read_json, repair_jsonl_tail, sha256_bytes, split_jsonl, write_json_atomic
 from .fp8 import FP8, dequantize_fp8, fp8_has_nan, quantize_fp8
+from .labels import PROB_DTYPE, CompactLabels, check_labels, label_id_dtype
 
 FORMAT_VERSION = 2
 
@@ -54,7 +59,10 @@ class StoreHeader:
     ``tokenizer``: ``{"name_or_path", "vocab_size", "chat_template_sha256"}``;
     ``layer_ids`` in ``layer_convention`` (always ``output_of_layer`` in an Eyas store, FIELD_NOTES);
     ``last_hidden``: ``post_norm``; ``dtype``: storage dtype of ``last`` (and of ``aux`` unless ``aux_format`` is
-    ``float8_e4m3fn``); ``engine``: ``{"name", "version", ...}`` of the capture backend.
+    ``float8_e4m3fn``); ``engine``: ``{"name", "version", ...}`` of the capture backend. ``label_format``:
+    ``hidden`` (``last`` stored) or ``topk`` (``label_topk`` draft ids and probabilities a token instead, made over
+    the draft vocabulary whose ``vocab.safetensors`` hashes to ``draft_vocab_sha256``, of ``draft_vocab_size``
+    ids; only offline training over that vocabulary can use them).
     """
 
     run_id: str
@@ -68,6 +76,10 @@ class StoreHeader:
     engine: dict
     aux_format: str = "same"
     format_version: int = FORMAT_VERSION
+    label_format: str = "hidden"
+    label_topk: int = 0
+    draft_vocab_size: int = 0
+    draft_vocab_sha256: str = ""
 
     # Fields that may differ between runs that extract the same content (where it ran, with which engine).
     _IDENTITY_EXEMPT = ("engine",)
@@ -85,6 +97,11 @@ class StoreHeader:
         return self.aux_format == "float8_e4m3fn"
 
     @property
+    def topk(self) -> bool:
+        """True when the store holds top-k labels (:mod:`eyas.store.labels`) instead of the last hidden state."""
+        return self.label_format == "topk"
+
+    @property
     def aux_dtype(self) -> torch.dtype:
         """dtype of the stored ``aux`` tensor (float8_e4m3fn for fp8 stores)."""
         return FP8 if self.fp8 else DTYPES[self.dtype]
@@ -92,18 +109,20 @@ class StoreHeader:
 
 @dataclass
 class SampleStates:
-    """One sample read back: ``input_ids`` int32 [T], ``aux`` [T, L, H] and ``last`` [T, H] in the store dtype."""
+    """One sample read back: ``input_ids`` int32 [T], ``aux`` [T, L, H] and ``last`` [T, H] in the store dtype; in
+    a top-k store ``last`` is None and ``labels`` holds the sample's :class:`~eyas.store.labels.CompactLabels`."""
 
     id: str
     input_ids: torch.Tensor
     aux: torch.Tensor
-    last: torch.Tensor
+    last: torch.Tensor | None
+    labels: CompactLabels | None = None
 
 
 @dataclass
 class ManifestEntry:
     """One sample in a manifest line: id, token count T, sha256 ``checksum`` of its stored tensors, ``aux_shape``
-    [T, L, H], ``last_shape`` [T, H] and the store dtype."""
+    [T, L, H], ``last_shape`` [T, H] (in a top-k store: [T, k], the label tensors') and the store dtype."""
 
     id: str
     tokens: int
@@ -196,8 +215,17 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return struct.pack("<Q", len(js)) + js
 
 
-def _stored_names(sid: str, fp8: bool) -> list[str]:
-    return [f"{sid}.input_ids", f"{sid}.aux"] + ([f"{sid}.aux_scale"] if fp8 else []) + [f"{sid}.last"]
+LABEL_TENSORS = ("label_ids", "label_probs", "label_flags")
+
+
+def stored_tensor_names(header: StoreHeader) -> list[str]:
+    """The tensors of one sample in a store with ``header``, in checksum order."""
+    return (["input_ids", "aux"] + (["aux_scale"] if header.fp8 else [])
+            + (list(LABEL_TENSORS) if header.topk else ["last"]))
+
+
+def _stored_names(sid: str, header: StoreHeader) -> list[str]:
+    return [f"{sid}.{n}" for n in stored_tensor_names(header)]
 
 
 class HiddenStateStore:
@@ -382,13 +410,14 @@ class HiddenStateStore:
 
     def read_stored(self, sid: str, verify: bool = False) -> dict[str, torch.Tensor]:
         """The sample's tensors exactly as stored (fp8 aux not de-quantised), keyed ``input_ids``, ``aux``,
-        [``aux_scale``,] ``last``. ``verify``: re-hash them against the manifest's checksum (a flipped byte, a
-        shard overwritten after commit). Raises KeyError for an unknown id; :class:`StoreError` naming the sample
-        and its shard when the bytes cannot be read or (``verify``) differ from what was committed."""
+        [``aux_scale``,] ``last`` (or ``label_ids``, ``label_probs``, ``label_flags``). ``verify``: re-hash them
+        against the manifest's checksum (a flipped byte, a shard overwritten after commit). Raises KeyError for an
+        unknown id; :class:`StoreError` naming the sample and its shard when the bytes cannot be read or
+        (``verify``) differ from what was committed."""
         shard, entry = self._index[sid]
         try:
             f = self._handle(shard)
-            t = {n.split(".")[-1]: f.get_tensor(n) for n in _stored_names(sid, self.header.fp8)}
+            t = {n.split(".")[-1]: f.get_tensor(n) for n in _stored_names(sid, self.header)}
         except Exception as e:  # truncated or damaged shard: safetensors' own errors, named here
             raise StoreError(f"sample {sid}: unreadable in {self.root / 'shards' / shard} ({type(e).__name__}: "
                              f"{e}); run `eyas doctor RUN --repair`") from None
@@ -403,6 +432,9 @@ class HiddenStateStore:
         :meth:`read_stored`. Raises KeyError for an unknown id, :class:`StoreError` for damaged bytes."""
         t = self.read_stored(sid, verify)
         aux = dequantize_fp8(t["aux"], t["aux_scale"], DTYPES[self.header.dtype]) if self.header.fp8 else t["aux"]
+        if self.header.topk:
+            return SampleStates(sid, t["input_ids"], aux, None,
+                                CompactLabels(t["label_ids"], t["label_probs"], t["label_flags"]))
         return SampleStates(sid, t["input_ids"], aux, t["last"])
 
 
@@ -437,20 +469,27 @@ class ShardWriter:
         self.manifest = JsonlAppender(store.root / "manifest" / f"rank-{rank:03d}.jsonl")
         self._lock = threading.Lock()
 
-    def prepare(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-                aux_scale: torch.Tensor | None = None, finite: bool = False) -> PreparedSample:
+    def prepare(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor | None,
+                aux_scale: torch.Tensor | None = None, finite: bool = False,
+                labels: CompactLabels | None = None) -> PreparedSample:
         """Validate one sample and put it in storage form (FIELD_NOTES extraction rule 3).
 
         ``input_ids`` [T] int; ``aux`` [T, L, H] in the store dtype, or, for an fp8 store, either in the store
         dtype (quantised here) or already float8_e4m3fn with ``aux_scale`` float32 [T, L]; ``last`` [T, H] in the
         store dtype. ``finite=True``: the caller has checked every value is finite on the device (the capture
         backend does, where it costs nothing), so the CPU pass over the floats is skipped (fp8 scales are still
-        checked). Raises :class:`StoreError` naming the sample on a shape, dtype or finiteness problem.
+        checked). A top-k store (``label_format: topk``) takes ``labels`` (:class:`~eyas.store.labels.CompactLabels`
+        of the T tokens, checked by :func:`~eyas.store.labels.check_labels`) instead of ``last``.
+        Raises :class:`StoreError` naming the sample on a shape, dtype, label or finiteness problem.
         """
         h = self.store.header
         T = int(input_ids.shape[0])
         L, H = len(h.layer_ids), h.hidden_size
         dt = DTYPES[h.dtype]
+        if h.topk:
+            return self._prepare_topk(sid, input_ids, aux, aux_scale, finite, labels)
+        if last is None:
+            raise StoreError(f"sample {sid}: no last hidden state for a store that keeps it")
         if tuple(aux.shape) != (T, L, H) or tuple(last.shape) != (T, H):
             raise StoreError(f"sample {sid}: states shaped aux {tuple(aux.shape)}, last {tuple(last.shape)}; "
                              f"expected ({T}, {L}, {H}) and ({T}, {H})")
@@ -475,6 +514,44 @@ class ShardWriter:
         entry = ManifestEntry(sid, T, sample_checksum(*tensors.values()), list(aux.shape), list(last.shape), h.dtype)
         return PreparedSample(entry, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
 
+    def _prepare_topk(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, aux_scale: torch.Tensor | None,
+                      finite: bool, labels: CompactLabels | None) -> PreparedSample:
+        h = self.store.header
+        T, L, H, k = int(input_ids.shape[0]), len(h.layer_ids), h.hidden_size, h.label_topk
+        dt = DTYPES[h.dtype]
+        if labels is None:
+            raise StoreError(f"sample {sid}: the store keeps top-{k} labels, and none were made for it")
+        if tuple(aux.shape) != (T, L, H) or aux.dtype not in (dt, h.aux_dtype):
+            raise StoreError(f"sample {sid}: aux states {tuple(aux.shape)} {aux.dtype}; expected ({T}, {L}, {H}) "
+                             f"{dt} (or {h.aux_dtype})")
+        want = {"label_ids": ((T, k), label_id_dtype(h.draft_vocab_size)), "label_probs": ((T, k), PROB_DTYPE),
+                "label_flags": ((T,), torch.uint8)}
+        got = {"label_ids": labels.ids, "label_probs": labels.probs, "label_flags": labels.flags}
+        for name, (shape, dtype) in want.items():
+            if tuple(got[name].shape) != shape or got[name].dtype != dtype:
+                raise StoreError(f"sample {sid}: {name} {tuple(got[name].shape)} {got[name].dtype}; expected "
+                                 f"{shape} {dtype}")
+        problem = check_labels(labels.ids, labels.probs, labels.flags, h.draft_vocab_size)
+        if problem:
+            raise StoreError(f"sample {sid}: {problem}")
+        if not finite and aux.dtype != FP8 and not _all_finite(aux):
+            raise StoreError(f"sample {sid}: non-finite hidden states")
+        tensors = {"input_ids": input_ids.to(torch.int32).contiguous().cpu()}
+        aux = aux.contiguous().cpu()
+        if h.fp8:
+            if aux.dtype != FP8:
+                aux, aux_scale = quantize_fp8(aux)
+            if aux_scale is None or tuple(aux_scale.shape) != (T, L) or aux_scale.dtype != torch.float32:
+                raise StoreError(f"sample {sid}: fp8 aux needs aux_scale float32 [{T}, {L}]")
+            if not _all_finite(aux_scale) or (not finite and fp8_has_nan(aux)):
+                raise StoreError(f"sample {sid}: non-finite hidden states")
+            tensors.update(aux=aux, aux_scale=aux_scale.contiguous().cpu())
+        else:
+            tensors["aux"] = aux
+        tensors.update({n: got[n].contiguous().cpu() for n in LABEL_TENSORS})
+        entry = ManifestEntry(sid, T, sample_checksum(*tensors.values()), list(aux.shape), [T, k], h.dtype)
+        return PreparedSample(entry, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+
     def append(self, p: PreparedSample) -> None:
         """Buffer a prepared sample for the next shard. Raises :class:`StoreError` for an id already stored."""
         sid = p.entry.id
@@ -485,10 +562,10 @@ class ShardWriter:
         self.entries.append(p.entry)
         self.buffered_bytes += p.nbytes
 
-    def add(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor,
-            aux_scale: torch.Tensor | None = None) -> None:
+    def add(self, sid: str, input_ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor | None,
+            aux_scale: torch.Tensor | None = None, labels: CompactLabels | None = None) -> None:
         """:meth:`prepare` then :meth:`append` (see there for shapes and errors)."""
-        self.append(self.prepare(sid, input_ids, aux, last, aux_scale))
+        self.append(self.prepare(sid, input_ids, aux, last, aux_scale, labels=labels))
 
     def take(self) -> tuple[str, dict[str, torch.Tensor], list[ManifestEntry]] | None:
         """Hand over the buffered samples as ``(shard name, tensors, entries)`` for :meth:`write`, and start a new

@@ -4,7 +4,8 @@ cannot finish; ``eyas plan`` warns before that).
 Per token the store writes (:meth:`eyas.store.shards.ShardWriter.prepare`): ``input_ids`` as int32 (4 bytes), the
 ``L`` aux states (``L * H`` values in ``extract.dtype``, or ``L * H`` float8 values plus one float32 scale per layer
 with ``aux_format: float8_e4m3fn``) and the last state (``H`` values in ``extract.dtype``). Shard headers and
-manifest lines add a few hundred bytes per sample (:data:`SAMPLE_OVERHEAD_BYTES`).
+manifest lines add a few hundred bytes per sample (:data:`SAMPLE_OVERHEAD_BYTES`). With ``extract.labels: topk`` the
+last state gives way to ``k`` int16 draft ids, ``k`` float16 probabilities and one flag byte.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ..dtypes import DTYPES
 from ..errors import StoreError
+from .labels import label_bytes_per_token
 
 ID_BYTES = 4  # input_ids are stored as int32
 # A sample's entries in its shard's safetensors header (3 or 4 tensors: name, dtype, shape, offsets) and in the
@@ -33,9 +35,21 @@ def hidden_state_bytes_per_token(hidden_size: int, num_aux: int, dtype: str = "b
     return aux + hidden_size * b
 
 
-def store_bytes_per_token(hidden_size: int, num_aux: int, dtype: str, aux_format: str) -> int:
-    """Bytes the store writes per token: hidden states as configured plus the int32 token id."""
-    return hidden_state_bytes_per_token(hidden_size, num_aux, dtype, aux_fp8=aux_format == "float8_e4m3fn") + ID_BYTES
+def store_bytes_per_token(hidden_size: int, num_aux: int, dtype: str, aux_format: str, label_topk: int = 0,
+                          draft_vocab_size: int = 0) -> int:
+    """Bytes the store writes per token: hidden states as configured plus the int32 token id. ``label_topk`` > 0:
+    top-k labels (:mod:`eyas.store.labels`, ``4k + 1`` bytes for a draft vocabulary of at most 32,767 ids) take
+    the place of the last hidden state."""
+    b = hidden_state_bytes_per_token(hidden_size, num_aux, dtype, aux_fp8=aux_format == "float8_e4m3fn") + ID_BYTES
+    if label_topk:
+        b += label_bytes_per_token(label_topk, draft_vocab_size) - hidden_size * DTYPES[dtype].itemsize
+    return b
+
+
+def header_bytes_per_token(header) -> int:
+    """:func:`store_bytes_per_token` of a store with this :class:`~eyas.store.shards.StoreHeader`."""
+    return store_bytes_per_token(header.hidden_size, len(header.layer_ids), header.dtype, header.aux_format,
+                                 header.label_topk if header.topk else 0, header.draft_vocab_size)
 
 
 def disk_free(path: Path) -> tuple[Path, int]:

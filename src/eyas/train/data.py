@@ -14,10 +14,15 @@ from ..records import TokenizedSample
 from ..store import HiddenStateStore
 
 
+STATE_KEYS = ("aux", "last", "label_ids", "label_probs", "label_flags")   # per-token tensors of a stored sample
+
+
 class SampleDataset:
     """``ds[i]`` -> dict of ``id``, ``input_ids`` int64 [T], ``loss_mask`` int64 [T] and, with a ``store``
-    (offline), ``aux`` [T, L*Ht] and ``last`` [T, Ht] in the store dtype. Online (no store) the target makes the
-    states per batch. Samples longer than ``max_length`` are cut to their first ``max_length`` tokens.
+    (offline), ``aux`` [T, L*Ht] and ``last`` [T, Ht] in the store dtype, or, from a top-k store, ``label_ids``
+    [T, k], ``label_probs`` float16 [T, k] and ``label_flags`` uint8 [T] in place of ``last``
+    (:mod:`eyas.store.labels`). Online (no store) the target makes the states per batch. Samples longer than
+    ``max_length`` are cut to their first ``max_length`` tokens.
 
     Raises :class:`StoreError` when a sample has no stored states, or states of other token ids.
     """
@@ -52,14 +57,18 @@ class SampleDataset:
             raise StoreError(f"sample {s.id}: stored input_ids differ from the tokenized dataset "
                              f"(stale or foreign hidden states); run `eyas doctor RUN --repair`")
         T, L, H = st.aux.shape
+        if st.labels is not None:
+            return {**item, "aux": st.aux[:n].reshape(n, L * H), "label_ids": st.labels.ids[:n],
+                    "label_probs": st.labels.probs[:n], "label_flags": st.labels.flags[:n]}
         return {**item, "aux": st.aux[:n].reshape(n, L * H), "last": st.last[:n]}
 
 
 def collate(items: list[dict], pad_to: int = 1) -> dict:
     """Right-pad a list of samples to the longest, rounded up to a multiple of ``pad_to`` (fewer distinct shapes
     for compiled kernels): ``input_ids`` [B, T], ``loss_mask`` [B, T] (0 on padding), ``attention_mask`` [B, T] (1
-    on real tokens), ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] when the items have them (offline), ``ids``
-    list[str]."""
+    on real tokens), ``aux`` [B, T, L*Ht] and ``last`` [B, T, Ht] when the items have them (offline; or
+    ``label_ids``, ``label_probs`` [B, T, k] and ``label_flags`` [B, T] from a top-k store, zero on padding),
+    ``ids`` list[str]."""
     T = max(len(x["input_ids"]) for x in items)
     T = -(-T // pad_to) * pad_to
     B = len(items)
@@ -69,9 +78,9 @@ def collate(items: list[dict], pad_to: int = 1) -> dict:
         "attention_mask": torch.zeros(B, T, dtype=torch.int64),
         "ids": [x["id"] for x in items],
     }
-    states = [k for k in ("aux", "last") if k in items[0]]
+    states = [k for k in STATE_KEYS if k in items[0]]
     for k in states:
-        out[k] = torch.zeros(B, T, items[0][k].shape[-1], dtype=items[0][k].dtype)
+        out[k] = torch.zeros(B, T, *items[0][k].shape[1:], dtype=items[0][k].dtype)
     for b, x in enumerate(items):
         n = len(x["input_ids"])
         out["attention_mask"][b, :n] = 1

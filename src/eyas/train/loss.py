@@ -50,6 +50,40 @@ def target_labels(last: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Te
     return TargetLabels(probs=probs, valid=in_draft & next_is_assistant)
 
 
+def stored_labels(label_ids: torch.Tensor, label_probs: torch.Tensor, label_flags: torch.Tensor,
+                  draft_vocab_size: int, loss_mask: torch.Tensor) -> TargetLabels:
+    """Soft labels from a top-k store (``extract.labels: topk``, :mod:`eyas.store.labels`): the same
+    :class:`TargetLabels` :func:`target_labels` makes from the last hidden state, up to the stored top k.
+
+    Args:
+        label_ids: int16/int32 [B, T, k] draft ids, most probable first; label_probs: [B, T, k] their
+            probabilities; label_flags: uint8 [B, T], bit 0 set where the target's argmax is a draft id.
+        draft_vocab_size: Dv.
+        loss_mask: [B, T] 1 on assistant tokens (0 on padding).
+    Returns probs fp32 [B, T, Dv]: the stored probabilities, the rest of the mass spread evenly over the other ids
+    (:func:`eyas.store.labels.dense_labels`); valid as :func:`target_labels` defines it.
+    """
+    from ..store.labels import FLAG_IN_DRAFT, dense_labels
+
+    probs = dense_labels(label_ids, label_probs, draft_vocab_size)
+    next_is_assistant = torch.zeros_like(loss_mask, dtype=torch.bool)
+    next_is_assistant[:, :-1] = loss_mask[:, 1:].bool()
+    in_draft = (label_flags & FLAG_IN_DRAFT).bool()
+    return TargetLabels(probs=probs, valid=in_draft & next_is_assistant)
+
+
+def batch_labels(batch: dict, lm_head: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor,
+                 dtype: torch.dtype | None = None) -> TargetLabels:
+    """A device batch's soft labels: from its stored top-k labels when it has them (:func:`stored_labels`), else
+    from its last hidden state through the target's lm_head (:func:`target_labels`, ``last`` cast to ``dtype``
+    when given)."""
+    if "label_probs" in batch:
+        return stored_labels(batch["label_ids"], batch["label_probs"], batch["label_flags"], len(draft_ids),
+                             batch["loss_mask"])
+    last = batch["last"] if dtype is None else batch["last"].to(dtype)
+    return target_labels(last, lm_head, draft_ids, t2d, batch["loss_mask"])
+
+
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, t] <- x[:, t+n] along dim 1, zero-filled at the end."""
     if n == 0:
