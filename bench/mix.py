@@ -21,6 +21,9 @@ calls watch it; every stage is Eyas's own, ``python -m eyas.cli STAGE CONFIG``):
                   its teacher-forced accuracy at TTT positions 0-2) trains on alone to the end of its schedule or
                   held-out curve, the others are stopped
     6. export of the best arm; the probe of its final drafter
+An arm whose config says ``train.mode: offline`` (``--set``, or a variant's settings) has its store extracted
+after vocab (4b). ``--all-to-end`` trains every arm to its end and exports and probes each (an A/B of settings:
+issue 20's stores (a)-(d) as variants of one arm).
 The probe: teacher-forced accuracy per TTT position of a drafter on the target's own greedy replies (256 new
 tokens) to the first 80 prompts of MT-bench (both turns), HumanEval and the GSM8K test set, computed as training's
 held-out evaluation (``eyas.train.loop.evaluate_held_out``) with the target run online.
@@ -348,6 +351,17 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
         results["arms"][name]["vocab"] = done(runs / name, "vocab")
     save()
 
+    # 4b. the stores of the arms that train offline (train.mode: offline), one after another on the GPU
+    for name, c in cfgs.items():
+        if (yaml.safe_load(c.read_text()).get("train") or {}).get("mode") == "offline":
+            eyas("extract", c, logfile=runs / f"{name}.log")
+            results["arms"][name]["extract"] = done(runs / name, "extract")
+            save()
+            ex = results["arms"][name]["extract"]
+            log(runs, f"extract {name}: {ex['tokens']:,} tokens, {ex['bytes_per_token']} bytes/token, "
+                      f"{ex.get('tokens_per_s')} tokens/s" + (f", label mass {ex['label_mass_by_k']}"
+                                                               if ex.get("label_mass_by_k") else ""))
+
     # 5. train: every arm planned for the same tokens, all at once
     procs = {}
     for name in cfgs:
@@ -361,6 +375,9 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
         procs[name] = eyas("train", cfgs[name], wait=False, logfile=runs / f"{name}.log")
     save()
     log(runs, f"train: {len(procs)} arms started, {args.tokens:.3g} tokens each planned")
+    if args.all_to_end:
+        _all_to_end(runs, args, results, save, cfgs, procs)
+        return
     probes: dict[str, dict] = {}
     if len(procs) == 1:   # one arm: nothing to choose, no probe mid-run (it would share the GPU with training)
         probes = {next(iter(procs)): {}}
@@ -417,6 +434,36 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     (runs / "ALL_DONE").write_text("ok\n")
 
 
+def _all_to_end(runs: Path, args, results: dict, save, cfgs: dict, procs: dict) -> None:
+    """``--all-to-end``: every arm trains to the end of its schedule (or the deadline), then each is exported and
+    probed at its final drafter (an A/B of settings, not a choice of mix)."""
+    asked: set[str] = set()
+    while any(p.poll() is None for p in procs.values()):
+        if time.time() - T0 > args.deadline_s:
+            for name, p in procs.items():
+                if p.poll() is None and name not in asked:
+                    log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
+                    (runs / name / "train" / "STOP").touch()
+                    asked.add(name)
+        time.sleep(5)
+    failed = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
+    for name in procs:
+        if name in failed:
+            continue
+        results["arms"][name]["train"] = done(runs / name, "train")
+        eyas("export", cfgs[name], logfile=runs / f"{name}.log")
+        results["arms"][name]["probe"] = {"step": results["arms"][name]["train"]["steps"], **probe(runs, name, None)}
+        save()
+        log(runs, f"probe {name} at its end: " + " ".join(
+            f"{s} {v['acc'][:3]}" for s, v in results["arms"][name]["probe"].items() if s != "step"))
+    results["ended"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    if failed:
+        raise SystemExit(f"train exited non-zero: {failed} (logs under {runs})")
+    log(runs, "done: every arm trained to its end, exported and probed")
+    (runs / "ALL_DONE").write_text("ok\n")
+
+
 def cmd_wait(args) -> None:
     runs = Path(args.runs)
     t = time.time()
@@ -464,9 +511,10 @@ def cmd_pack(args) -> None:
         if xz.stat().st_size > 16 * 2**20:      # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
             subprocess.run(["split", "-b", str(16 * 2**20), "-d", "-a", "2", str(xz), f"{xz}."], check=True)
             xz.unlink()
-    if best and (runs / best / "export" / "sglang").exists():
-        for f in sorted((runs / best / "export" / "sglang").glob("*.safetensors")):
-            shutil.copy(f, out / f"drafter_{f.name}")
+    for arm in (args.drafters.split(",") if args.drafters else [best] if best else []):
+        if (runs / arm / "export" / "sglang").exists():      # drafter_<file> for the best, <arm>_<file> if named
+            for f in sorted((runs / arm / "export" / "sglang").glob("*.safetensors")):
+                shutil.copy(f, out / (f"{arm}_{f.name}" if args.drafters else f"drafter_{f.name}"))
     for f in sorted(out.iterdir()):
         print(f"{f.name}: {f.stat().st_size:,} bytes")
 
@@ -484,6 +532,10 @@ def main() -> None:
     ap.add_argument("--no-conversations", action="store_true",
                     help="pack: leave the best arm's replies out (a later call packs them)")
     ap.add_argument("--tokens", type=float, default=52e6, help="training tokens planned per arm")
+    ap.add_argument("--all-to-end", action="store_true",
+                    help="every arm trains to its end, then each is exported and probed (no choice, no early stop)")
+    ap.add_argument("--drafters", default=None,
+                    help="pack: these arms' exported weight files as <arm>_<file> (default: the best arm's)")
     ap.add_argument("--probe-step", type=int, default=600)
     ap.add_argument("--probe-prompts", type=int, default=80)
     ap.add_argument("--self-prompts", type=int, default=45000, help="self-prompts asked")

@@ -41,6 +41,8 @@ case $step in
       --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
       typing-inspection gguf==0.19.0 typing_extensions==4.16.0 datasketch==2.0.0
     python3 -m pip wheel -q --no-deps -w .whl langdetect==1.0.9    # an sdist only: built here, pure Python
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0     # train.fp8 (issue 20's arm d; 3.4 MB)
     ls -la .gpu/p* .gpu .whl ;;
   prev)
     pack=${2:?pack folder} arm=${3:?arm}

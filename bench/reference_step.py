@@ -111,7 +111,8 @@ def llama_config(shape: dict):
     return cfg
 
 
-def build(mods: dict, shape: dict, T: int, K: int, device: torch.device, fsdp: bool, attention: str, seed: int = 0):
+def build(mods: dict, shape: dict, T: int, K: int, device: torch.device, fsdp: bool, attention: str, seed: int = 0,
+          batch: int = 1):
     """The reference's draft, FSDP-wrapped TTT model, target head, optimizer and inputs; see the docstring."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     cfg = llama_config(shape)
@@ -142,11 +143,11 @@ def build(mods: dict, shape: dict, T: int, K: int, device: torch.device, fsdp: b
     head = head.eval().to(device).to(torch.bfloat16)
     opt = mods["optimizer"].BF16Optimizer(draft, lr=1e-4, max_grad_norm=0.5, total_steps=1000)
     data = {
-        "input_ids": torch.randint(0, V, (1, T), generator=g).to(device),
-        "attention_mask": torch.ones(1, T, dtype=torch.int64, device=device),
-        "loss_mask": torch.ones(1, T, dtype=torch.int64, device=device),
-        "hidden_state": torch.randn(1, T, 3 * Ht, generator=g).to(device, torch.bfloat16),
-        "target": torch.randn(1, T, Ht, generator=g).to(device, torch.bfloat16),
+        "input_ids": torch.randint(0, V, (batch, T), generator=g).to(device),
+        "attention_mask": torch.ones(batch, T, dtype=torch.int64, device=device),
+        "loss_mask": torch.ones(batch, T, dtype=torch.int64, device=device),
+        "hidden_state": torch.randn(batch, T, 3 * Ht, generator=g).to(device, torch.bfloat16),
+        "target": torch.randn(batch, T, Ht, generator=g).to(device, torch.bfloat16),
     }
     return model, head, opt, data
 
@@ -165,11 +166,14 @@ def make_step(model, head, opt, data):
     return step
 
 
-def measure(mods: dict, shape_name: str, T: int, K: int, device: torch.device, warmup: int, iters: int) -> dict:
-    """Tokens/s, step time and peak memory of the reference's step at sequence length ``T`` (batch 1)."""
+def measure(mods: dict, shape_name: str, T: int, K: int, device: torch.device, warmup: int, iters: int,
+            batch: int = 1) -> dict:
+    """Tokens/s, step time and peak memory of the reference's step at sequence length ``T``, ``batch`` sequences a
+    step (its ``--batch-size``; 1 is its default)."""
     shape = SHAPES[shape_name]
     attention = "flex_attention" if device.type == "cuda" else "sdpa"
-    model, head, opt, data = build(mods, shape, T, K, device, fsdp=device.type == "cuda", attention=attention)
+    model, head, opt, data = build(mods, shape, T, K, device, fsdp=device.type == "cuda", attention=attention,
+                                   batch=batch)
     step = make_step(model, head, opt, data)
     loss, warm_s, times = warm_and_time(step, device, warmup, iters)
     if not math.isfinite(float(loss)):
@@ -178,9 +182,10 @@ def measure(mods: dict, shape_name: str, T: int, K: int, device: torch.device, w
     from eyas.model.eagle3 import Eagle3Config
 
     dense, attn = flops_per_token(Eagle3Config(**shape), T, K)
-    out = {"trainer": f"specforge-v0.2.0 ({REF_COMMIT})", "shape": shape_name, "seq": T, "batch": 1, "ttt_steps": K,
-           "attention": attention, "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
-           "tokens_per_s": round(T / med, 1), "tflops_per_s": round(T * (dense + attn) / med / 1e12, 1),
+    out = {"trainer": f"specforge-v0.2.0 ({REF_COMMIT})", "shape": shape_name, "seq": T, "batch": batch,
+           "ttt_steps": K, "attention": attention, "step_ms": round(med * 1e3, 2),
+           "step_ms_min": round(times[0] * 1e3, 2), "tokens_per_s": round(batch * T / med, 1),
+           "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
            "warmup_s": round(warm_s, 1), "iters": iters, "loss": round(float(loss), 4), **peak_memory(device)}
     del model, head, opt, data, step
     if device.type == "cuda":
@@ -204,28 +209,61 @@ def _init_single_rank(device: torch.device) -> None:
 def report(eyas_path: Path, ref_path: Path) -> list[str]:
     """Side-by-side rows and the issue's lines from ``bench/train_step.py --out`` and this script's ``--out``.
 
-    Rows match on (shape, seq); Eyas's row is its fastest error-free configuration at that shape and length.
-    Returns the printed lines. Raises ``ValueError`` when no row pairs up."""
+    One sequence a step (batch 1): rows match on (shape, seq); Eyas's bf16 row is its fastest error-free
+    configuration with ``fp8`` off there, its fp8 row the fastest with fp8 on (when measured), and the issue's
+    ``train-step ratio`` lines take the faster of the two. At equal memory (rows with several batch sizes at 2,048
+    tokens): the reference's fastest batch that ran sets the memory, Eyas's fastest configuration within that peak
+    memory is set against it. Returns the printed lines. Raises ``ValueError`` when no row pairs up."""
     eyas = [r for r in json.loads(eyas_path.read_text())["rows"] if "error" not in r]
     ref = [r for r in json.loads(ref_path.read_text())["rows"] if "error" not in r]
-    lines = ["| shape | seq | reference tokens/s | Eyas tokens/s | ratio | peak GB (ref / Eyas) | memory ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    nan = float("nan")
+
+    def best(rows: list[dict]) -> dict | None:
+        return max(rows, key=lambda x: x["tokens_per_s"]) if rows else None
+
+    lines = ["| shape | seq | reference tokens/s | Eyas tokens/s (bf16) | ratio | Eyas tokens/s (fp8) | ratio | "
+             "peak GB (ref / Eyas bf16 / Eyas fp8) | memory ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     tail = []
-    for r in ref:
-        mine = [e for e in eyas if e.get("shape", "llama31-8b") == r["shape"] and e["seq"] == r["seq"]]
-        if not mine:
+    for r in [r for r in ref if r.get("batch", 1) == 1]:
+        at = [e for e in eyas if e.get("shape", "llama31-8b") == r["shape"] and e["seq"] == r["seq"]
+              and e.get("batch", 1) == 1]
+        e16 = best([e for e in at if e.get("fp8", "off") == "off"])
+        e8 = best([e for e in at if e.get("fp8", "off") != "off"])
+        e = best([x for x in (e16, e8) if x])
+        if e is None:
             continue
-        e = max(mine, key=lambda x: x["tokens_per_s"])
         ratio = e["tokens_per_s"] / r["tokens_per_s"]
-        mem = e.get("peak_gb", float("nan")) / r.get("peak_gb", float("nan"))
-        lines.append(f"| {r['shape']} | {r['seq']:,} | {r['tokens_per_s']:,.0f} | {e['tokens_per_s']:,.0f} | "
-                     f"{ratio:.2f}x | {r.get('peak_gb', float('nan')):.1f} / {e.get('peak_gb', float('nan')):.1f} | "
-                     f"{mem:.2f} |")
+        mem = e.get("peak_gb", nan) / r.get("peak_gb", nan)
+        c16 = f"{e16['tokens_per_s']:,.0f} | {e16['tokens_per_s'] / r['tokens_per_s']:.2f}x" if e16 else "- | -"
+        c8 = (f"{e8['tokens_per_s']:,.0f} ({e8['fp8']}) | {e8['tokens_per_s'] / r['tokens_per_s']:.2f}x" if e8
+              else "- | -")
+        lines.append(f"| {r['shape']} | {r['seq']:,} | {r['tokens_per_s']:,.0f} | {c16} | {c8} | "
+                     f"{r.get('peak_gb', nan):.1f} / {(e16 or {}).get('peak_gb', nan):.1f} / "
+                     f"{(e8 or {}).get('peak_gb', nan):.1f} | {mem:.2f} |")
         if r["shape"] == "llama31-8b" and r["seq"] in (2048, 8192):
             tail.append(f"train-step ratio to reference at {r['seq'] // 1024}K: {ratio:.2f}x, "
                         f"peak memory ratio {mem:.2f}")
     if len(lines) == 2:
         raise ValueError(f"no (shape, seq) in both {eyas_path} and {ref_path}")
+    equal = {}
+    table = ["", "| shape | reference: best batch (tokens/s, peak GB) | Eyas within that memory: batch, fp8 (tokens/s, "
+             "peak GB) | ratio |", "|---|---|---|---:|"]
+    peak = (lambda x: x.get("peak_gb", x.get("peak_rss_gb", nan)))   # noqa: E731 - a CPU check has RSS only
+    for shape in sorted({r["shape"] for r in ref if r.get("batch", 1) > 1}):
+        seq = max(r["seq"] for r in ref if r["shape"] == shape and r.get("batch", 1) > 1)   # 2,048 on the GPU
+        r = best([x for x in ref if x["shape"] == shape and x["seq"] == seq])
+        fit = best([e for e in eyas if e.get("shape", "llama31-8b") == shape and e["seq"] == seq
+                    and peak(e) <= peak(r)])
+        if fit is None:
+            continue
+        equal[shape] = fit["tokens_per_s"] / r["tokens_per_s"]
+        table.append(f"| {shape} | {r.get('batch', 1)} ({r['tokens_per_s']:,.0f}, {peak(r):.1f}) | "
+                     f"{fit.get('batch', 1)}, {fit.get('fp8', 'off')} ({fit['tokens_per_s']:,.0f}, "
+                     f"{peak(fit):.1f}) | {equal[shape]:.2f}x |")
+    if equal:
+        lines += table
+        tail.append("training throughput ratio to reference on 2K samples at equal memory: "
+                    f"{equal.get('llama31-8b', nan):.2f}x (Llama-3.1-8B), {equal.get('kimi-k2', nan):.2f}x (Kimi-K2)")
     return lines + [""] + tail
 
 
@@ -333,6 +371,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape (checks the harness, not the speed)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configurations once this much time passed")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="sequences a step (the reference's --batch-size; the equal-memory table raises it)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -342,21 +382,21 @@ def main() -> None:
     mods = import_reference(args.specforge, cpu_loss=device.type != "cuda")
     shapes = ["tiny"] if args.tiny else args.shape
     rows, t0 = [], time.time()
-    for shape in shapes:
-        for T in args.seq:
-            if time.time() - t0 > args.budget_s:
-                print(f"skip {shape} T={T}: time budget spent", flush=True)
-                continue
-            try:
-                r = measure(mods, shape, T, args.ttt, device, args.warmup, args.iters)
-            except Exception as e:  # an OOM or a compile failure is a result too
-                r = {"shape": shape, "seq": T, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            if args.out:
-                args.out.write_text(json.dumps({"rows": rows, "torch": torch.__version__}, indent=1))
+    for shape, T, bsz in [(s, t, b) for s in shapes for t in args.seq for b in args.batch]:
+        if time.time() - t0 > args.budget_s:
+            print(f"skip {shape} T={T} batch {bsz}: time budget spent", flush=True)
+            continue
+        try:
+            r = measure(mods, shape, T, args.ttt, device, args.warmup, args.iters, bsz)
+        except Exception as e:  # an OOM or a compile failure is a result too
+            r = {"shape": shape, "seq": T, "batch": bsz,
+                 "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"rows": rows, "torch": torch.__version__}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel  # noqa: E402
+from eyas.train.fp8 import apply_fp8_training  # noqa: E402
 from eyas.train.loss import target_labels, ttt_loss_fused  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -147,8 +148,11 @@ def peak_memory(device: torch.device) -> dict:
 
 def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
             warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
-            batch: int = 1, shape_name: str = "") -> dict:
+            batch: int = 1, shape_name: str = "", fp8: str = "off") -> dict:
     model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
+    # train.fp8: the draft's linear layers through torchao's float8 training (before compile, as the loop does);
+    # on a CPU or an older GPU it falls back and the row says so
+    conv = apply_fp8_training(model, fp8, device, log=lambda m: print(m, flush=True))
     if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
         model.compile_ttt()
     step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
@@ -168,7 +172,8 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
     out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "attention": attention,
-           "compile_layer": compile_layer,
+           "compile_layer": compile_layer, "fp8": conv.recipe, **({"fp8_fallback": conv.fallback} if conv.fallback
+                                                                  else {}),
            "param_dtype": param_dtype, "loss_chunk": loss_chunk,
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(batch * T / med, 1), "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
@@ -212,6 +217,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip configurations once this much time passed")
     ap.add_argument("--param-dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                     help="fp32 master weights + bf16 autocast (default), or bf16 weights")
+    ap.add_argument("--fp8", nargs="+", default=["off"], choices=["off", "tensorwise", "rowwise"],
+                    help="train.fp8 settings to time (fp8 products in the draft's linear layers, torchao)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="sequences a step (each --seq long): Eyas's token budget is batch x seq")
     ap.add_argument("--profile", type=Path, help="write a CUDA kernel table of 2 steps of the first configuration")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -223,8 +232,9 @@ def main() -> None:
     compiles = {"none": [False], "layer": [True], "both": [False, True]}[args.compile]
     rows, t0 = [], time.time()
     shapes = ["tiny"] if args.tiny else args.shape
-    combos = [(s, a, c, pd) for s in shapes for a in args.attention for c in compiles for pd in args.param_dtype]
-    for shape, attention, comp, pdt in combos:
+    combos = [(s, a, c, pd, f8, b) for s in shapes for a in args.attention for c in compiles for pd in args.param_dtype
+              for f8 in args.fp8 for b in args.batch]
+    for shape, attention, comp, pdt, f8, bsz in combos:
         cfg = Eagle3Config(**SHAPES[shape])
         for T in args.seq:
             if attention == "sdpa" and T > 8192:
@@ -234,9 +244,9 @@ def main() -> None:
                 continue
             try:
                 r = measure(cfg, T, args.ttt, device, attention, comp, args.warmup, args.iters, args.loss_chunk,
-                            pdt, args.profile if not rows else None, shape_name=shape)
+                            pdt, args.profile if not rows else None, batch=bsz, shape_name=shape, fp8=f8)
             except Exception as e:  # an OOM or a compile failure is a result too
-                r = {"shape": shape, "seq": T, "attention": attention, "compile_layer": comp,
+                r = {"shape": shape, "seq": T, "batch": bsz, "fp8": f8, "attention": attention, "compile_layer": comp,
                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -246,12 +256,14 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if args.out:
                 args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    print("\nattention compile params   seq   step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
+    print("\nattention compile fp8        params   seq batch  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
     for r in rows:
         if "error" in r:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['seq']:6}  ERROR {r['error'][:80]}")
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['seq']:6} {r['batch']:3}  ERROR "
+                  f"{r['error'][:80]}")
         else:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['param_dtype']:6} {r['seq']:6} "
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['param_dtype']:6} {r['seq']:6} "
+                  f"{r['batch']:5} "
                   f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")
 
