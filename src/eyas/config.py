@@ -193,6 +193,9 @@ class TokenizeConfig(Section):
 
     max_length: int = Field(2048, ge=8, description="longer samples are truncated (counted in the report)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    workers: int | None = Field(
+        None, ge=1, description="processes rendering conversations (the output is the same for any number); null: "
+                                "one below 2,000 conversations, else min(8, CPUs)")
 
 
 class VocabConfig(Section):

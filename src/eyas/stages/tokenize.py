@@ -23,7 +23,11 @@ the log says how many are left out.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import os
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
 
 from tqdm import tqdm
 
@@ -37,6 +41,7 @@ from . import RunContext
 
 READS = ("tokenize", "target")
 INPUTS = ("generate",)
+PARALLEL_FROM = 2000   # tokenize.workers null: a pool only from this many conversations (spawning costs seconds)
 
 
 def tokenizer_identity(tok) -> dict:
@@ -98,6 +103,98 @@ def with_emitted_tokens(messages, rendered) -> tuple[list[int], list[int], list[
     return ids, mask, sorted(spliced)
 
 
+@dataclass
+class Tokenized:
+    """One conversation's outcome (:func:`tokenize_one`): the sample or the reason it was skipped, and the counts."""
+
+    source: str | None = None
+    sample: TokenizedSample | None = None
+    skip: SkipRecord | None = None
+    whitespace: list[SkipRecord] = field(default_factory=list)   # kept replies the template's whitespace changed
+    emitted: list[SkipRecord] = field(default_factory=list)      # replies trained on their emitted ids
+    truncated: bool = False
+    cut_turns: int = 0
+    reasoning: list[bool] = field(default_factory=list)          # per reasoning turn: rendered by the template
+    finish_unknown: int = 0
+    unknown_regenerated: int = 0
+
+
+def tokenize_one(tok, c, chat_template_kwargs: dict, max_length: int) -> Tokenized:
+    """Render conversation ``c`` (:class:`~eyas.records.Conversation`) with ``tok``'s chat template into a
+    :class:`~eyas.records.TokenizedSample` (ids and loss mask, at most ``max_length`` tokens), or the reason it is
+    skipped. Pure: the same input gives the same output in any process (``tokenize.workers``)."""
+    if any(m.role == "assistant" and not m.content.strip() for m in c.messages):
+        return Tokenized(skip=SkipRecord(c.source or c.id, "empty assistant reply", "messages"))
+    try:
+        r = render_conversation(tok, c.chat_messages(), chat_template_kwargs=chat_template_kwargs, sample_id=c.id)
+    except ChatTemplateError as e:
+        return Tokenized(skip=SkipRecord(c.source or c.id, f"chat template: {e}"))
+    changed = [i for i in r.reply_issues if i.kind == "changed"]
+    if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
+        return Tokenized(skip=SkipRecord(c.source or c.id, f"reply changed by the chat template: "
+                                         f"{changed[0].reason}", f"messages[{changed[0].message_index}]"))
+    out = Tokenized(source=c.source, whitespace=[SkipRecord(c.source or c.id, i.reason, f"messages[{i.message_index}]")
+                                for i in r.reply_issues])
+    r, cut = without_cut_turn_ends(c.messages, r)
+    ids, mask, swapped = with_emitted_tokens(c.messages, r)
+    out.emitted = [SkipRecord(c.source or c.id, "reply text tokenizes differently from the ids the target emitted: "
+                                                "the emitted ids are trained", f"messages[{i}]") for i in swapped]
+    if len(ids) > max_length:
+        ids, mask = ids[:max_length], mask[:max_length]
+        out.truncated = True
+    if sum(mask) == 0:
+        out.skip = SkipRecord(c.source or c.id, "no assistant token within max_length")
+        return out
+    out.sample = TokenizedSample(c.id, ids, mask)
+    out.cut_turns = len(cut)
+    out.reasoning = [bool(rendered) for _, rendered in r.reasoning_turns]
+    unknown = [m for m in c.messages if m.role == "assistant" and m.finish_reason is None]
+    out.finish_unknown = len(unknown)
+    out.unknown_regenerated = sum(m.token_ids is not None for m in unknown)   # in-process, before Eyas kept it
+    return out
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(target_cfg, chat_template_kwargs: dict, max_length: int) -> None:
+    _WORKER.update(tok=load_tokenizer(target_cfg), kwargs=chat_template_kwargs, max_length=max_length)
+
+
+def _worker_tokenize(c) -> Tokenized:
+    return tokenize_one(_WORKER["tok"], c, _WORKER["kwargs"], _WORKER["max_length"])
+
+
+def workers_for(cfg_workers: int | None, n_conversations: int) -> int:
+    """Processes to tokenize ``n_conversations`` with: ``tokenize.workers``, or (null) one for fewer than
+    :data:`PARALLEL_FROM` conversations and else ``min(8, CPUs)``."""
+    if cfg_workers is not None:
+        return cfg_workers
+    return 1 if n_conversations < PARALLEL_FROM else max(1, min(8, len(os.sched_getaffinity(0))
+                                                                if hasattr(os, "sched_getaffinity")
+                                                                else os.cpu_count() or 1))
+
+
+def _tokenized(ctx: RunContext, tok, convs) -> Iterator[Tokenized]:
+    """Every conversation's :class:`Tokenized`, in input order, from one process or a pool (``tokenize.workers``;
+    each worker loads the same tokenizer, and the output is the same byte for byte)."""
+    cfg = ctx.cfg.tokenize
+    n = workers_for(cfg.workers, len(convs))
+    bar = tqdm(total=len(convs), desc="tokenize", unit="conv", dynamic_ncols=True)
+    if n <= 1:
+        for c in convs:
+            yield tokenize_one(tok, c, cfg.chat_template_kwargs, cfg.max_length)
+            bar.update()
+    else:
+        ctx.log(f"[eyas] tokenize: {len(convs)} conversations in {n} processes (tokenize.workers)")
+        with ProcessPoolExecutor(n, mp_context=get_context("spawn"), initializer=_worker_init,
+                                 initargs=(ctx.cfg.target, cfg.chat_template_kwargs, cfg.max_length)) as ex:
+            for t in ex.map(_worker_tokenize, convs, chunksize=256):
+                yield t
+                bar.update()
+    bar.close()
+
+
 def run(ctx: RunContext) -> TokenizeSummary:
     cfg = ctx.cfg.tokenize
     out = ctx.run.tokenized
@@ -114,46 +211,26 @@ def run(ctx: RunContext) -> TokenizeSummary:
     reasoning = {"rendered": 0, "not_rendered": 0}   # assistant turns carrying reasoning, by what the template did
     by_source: dict[str, dict[str, int]] = {}  # the mix as training sees it: samples and tokens per source file
     with JsonlAppender(out, fsync_every=1 << 30) as w:
-        for c in tqdm(convs, desc="tokenize", unit="conv", dynamic_ncols=True):
-            if any(m.role == "assistant" and not m.content.strip() for m in c.messages):
-                skips.add(SkipRecord(c.source or c.id, "empty assistant reply", "messages"))
+        for t in _tokenized(ctx, tok, convs):
+            for rec in t.whitespace:
+                whitespace.add(rec)
+            for rec in t.emitted:
+                emitted_kept.add(rec)
+            truncated += t.truncated
+            if t.skip is not None:
+                skips.add(t.skip)
                 continue
-            try:
-                r = render_conversation(tok, c.chat_messages(), chat_template_kwargs=cfg.chat_template_kwargs,
-                                        sample_id=c.id)
-            except ChatTemplateError as e:
-                skips.add(SkipRecord(c.source or c.id, f"chat template: {e}"))
-                continue
-            changed = [i for i in r.reply_issues if i.kind == "changed"]
-            if changed:  # its trained tokens would not be the reply's: never trained, never silently altered
-                skips.add(SkipRecord(c.source or c.id, f"reply changed by the chat template: {changed[0].reason}",
-                                     f"messages[{changed[0].message_index}]"))
-                continue
-            for i in r.reply_issues:
-                whitespace.add(SkipRecord(c.source or c.id, i.reason, f"messages[{i.message_index}]"))
-            r, cut = without_cut_turn_ends(c.messages, r)
-            ids, mask, swapped = with_emitted_tokens(c.messages, r)
-            for i in swapped:
-                emitted_kept.add(SkipRecord(c.source or c.id, "reply text tokenizes differently from the ids the "
-                                                              "target emitted: the emitted ids are trained",
-                                            f"messages[{i}]"))
-            if len(ids) > cfg.max_length:
-                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-                truncated += 1
-            if sum(mask) == 0:
-                skips.add(SkipRecord(c.source or c.id, "no assistant token within max_length"))
-                continue
-            w.append(TokenizedSample(c.id, ids, mask).to_json())
+            ids, mask = t.sample.input_ids, t.sample.loss_mask
+            w.append(t.sample.to_json())
             n += 1
-            cut_turns += len(cut)
-            for _, rendered in r.reasoning_turns:
+            cut_turns += t.cut_turns
+            for rendered in t.reasoning:
                 reasoning["rendered" if rendered else "not_rendered"] += 1
-            unknown = [m for m in c.messages if m.role == "assistant" and m.finish_reason is None]
-            unknown_finish += len(unknown)
-            unknown_regenerated += sum(m.token_ids is not None for m in unknown)   # in-process, before Eyas kept it
+            unknown_finish += t.finish_unknown
+            unknown_regenerated += t.unknown_regenerated
             tokens += len(ids)
             trained += sum(mask)
-            mix = by_source.setdefault(source_file(c.source), {"samples": 0, "tokens": 0, "assistant_tokens": 0})
+            mix = by_source.setdefault(source_file(t.source), {"samples": 0, "tokens": 0, "assistant_tokens": 0})
             mix["samples"] += 1
             mix["tokens"] += len(ids)
             mix["assistant_tokens"] += sum(mask)
