@@ -276,9 +276,12 @@ def cmd_all(args) -> None:
 
 
 def _self_prompts(runs: Path, args, self_file: str, results: dict, count: int, key: str) -> None:
+    steer = {}
+    if args.self_prompt_systems:   # prepare.self_prompts.system_prompts: a JSON list of strings (null: default)
+        steer["system_prompts"] = json.loads(Path(args.self_prompt_systems).read_text())
     sp = write_config(runs, "selfp", {"prepare.sources": [], "prepare.self_prompts": {
         "count": count, "max_tokens": args.self_prompt_tokens, "min_chars": 16, "languages": ["en"],
-        "seed": args.self_prompt_seed}},
+        "seed": args.self_prompt_seed, **steer}},
         args.set)
     log(runs, f"selfp: {count} self-prompts asked (seed {args.self_prompt_seed})")
     eyas("prepare", sp, logfile=runs / "selfp.log")
@@ -545,6 +548,10 @@ def main() -> None:
     ap.add_argument("--more-self-prompts", type=int, default=0,
                     help="arm d: this many new self-prompts asked beside --self-prompts-file's")
     ap.add_argument("--self-prompt-seed", type=int, default=0, help="prepare.self_prompts.seed of the sampling")
+    ap.add_argument("--self-prompt-systems", default=None,
+                    help="prepare.self_prompts.system_prompts from this JSON file (a list of system messages, null "
+                         "for the template's default; e.g. bench/self_prompt_systems.json): the sampled prompts "
+                         "steered to those kinds")
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
     ap.add_argument("--reuse-from", action="append", default=[],

@@ -118,6 +118,21 @@ class SelfPromptsConfig(Section):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="arguments to the chat template when it renders the text before a user "
                                           "turn (usually none: they change the assistant side)")
+    system_prompts: list[str | None] | None = Field(
+        None, description="steer what the target writes: prompt i is sampled after system message "
+                          "system_prompts[i % n] (null in the list: the template's own default system turn); the "
+                          "system message is only for sampling, the replies are generated without it. Null: every "
+                          "prompt after the default system turn")
+
+    @field_validator("system_prompts")
+    @classmethod
+    def _some_systems(cls, v: list[str | None] | None) -> list[str | None] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("give at least one system prompt, or null for the template's default")
+            if any(s is not None and not s.strip() for s in v):
+                raise ValueError("a system prompt is empty: write null for the template's default system turn")
+        return v
 
 
 class PrepareConfig(Section):

@@ -66,3 +66,16 @@ def test_fields_added_later_keep_older_fingerprints_until_set():
     topk = _with(cfg, "extract", labels="topk")
     assert stage_fingerprint(topk, "extract") != stage_fingerprint(cfg, "extract")
     assert stage_fingerprint(_with(topk, "extract", label_topk=64), "extract") != stage_fingerprint(topk, "extract")
+
+
+def test_self_prompt_system_prompts_and_tokenize_workers():
+    """prepare.self_prompts.system_prompts came after prepared folders existed: unset, the prepare fingerprint is
+    the hash it had before (the nested field left out); set, it changes. tokenize.workers changes no output."""
+    cfg = RunConfig.model_validate({**BASE, "prepare": {"sources": [], "self_prompts": {"count": 10}}})
+    prepare = cfg.prepare.model_dump(mode="json")
+    prepare["self_prompts"].pop("system_prompts")
+    assert stage_fingerprint(cfg, "prepare")["prepare"] == stable_hash(prepare)
+    steered = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={
+        "self_prompts": cfg.prepare.self_prompts.model_copy(update={"system_prompts": [None, "Write poems."]})})})
+    assert stage_fingerprint(steered, "prepare") != stage_fingerprint(cfg, "prepare")
+    assert stage_fingerprint(_with(cfg, "tokenize", workers=4), "tokenize") == stage_fingerprint(cfg, "tokenize")

@@ -8,6 +8,11 @@ then regenerates the reply as for any other prompt, and prepare's content hash r
 
 The prefix comes from rendering a one-message conversation whose content is a marker and cutting at the marker, so
 every chat template works as the server renders it (``tokenize.chat_template_kwargs`` included).
+
+Steering (the Magpie paper's system-prompt control, section 2): with ``system_prompts``, prompt i is sampled after
+system message ``system_prompts[i % n]`` rendered by the template (``None``: the template's own default system
+turn), so that a user can ask for more of the kinds of prompt a domain needs (writing, STEM, roleplay) while the
+target still writes them in its own words. The system message is used only to sample the prompt.
 """
 
 from __future__ import annotations
@@ -21,15 +26,27 @@ from .engine import GenRequest, GenResult
 MARKER = "\u2063EYAS_USER_TURN\u2063"
 
 
-def user_turn_prefix(tokenizer, chat_template_kwargs: dict | None = None) -> str:
-    """The chat template's text before a user message's content (system turn and role header included).
+def user_turn_prefix(tokenizer, chat_template_kwargs: dict | None = None, system: str | None = None) -> str:
+    """The chat template's text before a user message's content (system turn and role header included); with
+    ``system``, after that system message instead of the template's default.
 
-    Raises ``ValueError`` when the template does not place a user message's content verbatim in its output."""
-    text = render_prompt(tokenizer, [{"role": "user", "content": MARKER}],
-                         chat_template_kwargs=chat_template_kwargs)
+    Raises ``ValueError`` when the template does not place a user message's content verbatim in its output, or does
+    not render ``system`` verbatim (a template without a system role)."""
+    msgs = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": MARKER}]
+    try:
+        text = render_prompt(tokenizer, msgs, chat_template_kwargs=chat_template_kwargs)
+    except Exception as e:  # jinja's raise_exception (e.g. "System role not supported") or a template error
+        if system is None:
+            raise
+        raise ValueError(f"the chat template does not take a system message ({e}): leave "
+                         f"prepare.self_prompts.system_prompts unset for this target") from e
     at = text.find(MARKER)
     if at < 0:
         raise ValueError("the chat template does not render a user message's content verbatim")
+    if system is not None and system not in text[:at]:
+        raise ValueError(f"the chat template does not render the system message {system[:60]!r} verbatim: leave "
+                         f"prepare.self_prompts.system_prompts unset for this target")
     return text[:at]
 
 
@@ -43,23 +60,28 @@ class SelfPromptStats:
     cut: int = 0
     empty: int = 0
     repeated: int = 0
+    kept_by_system: list[int] | None = None   # with system_prompts: prompts kept after each system message
 
 
 def sample_self_prompts(engine, tokenizer, count: int, *, max_tokens: int, chat_template_kwargs: dict | None = None,
-                        min_chars: int = 8, on_prompt: Callable[[str], None] | None = None
-                        ) -> tuple[list[str], SelfPromptStats]:
+                        min_chars: int = 8, on_prompt: Callable[[str], None] | None = None,
+                        system_prompts: list[str | None] | None = None) -> tuple[list[str], SelfPromptStats]:
     """Sample ``count`` user turns with ``engine`` (a :class:`~eyas.generation.engine.SlotEngine` or
-    :class:`~eyas.generation.inprocess.GenerateEngine` built with ``temperature > 0``).
+    :class:`~eyas.generation.inprocess.GenerateEngine` built with ``temperature > 0``); with ``system_prompts``,
+    turn i after system message ``system_prompts[i % n]`` (``None``: the template's default system turn).
 
     Kept: texts ended by an end-of-turn token (a turn cut at ``max_tokens`` is incomplete), stripped of surrounding
-    whitespace, at least ``min_chars`` long, not seen before. Returns the prompts in completion order and the counts.
+    whitespace, at least ``min_chars`` long, not seen before. Returns the prompts in completion order and the counts
+    (``kept_by_system``: how many were kept after each system message). Raises ``ValueError`` from
+    :func:`user_turn_prefix`.
     """
-    prefix = user_turn_prefix(tokenizer, chat_template_kwargs)
-    ids = tokenizer(prefix, add_special_tokens=False).input_ids
-    queue = [GenRequest(i, ids, max_tokens) for i in range(count)]
+    systems = list(system_prompts) if system_prompts else [None]
+    prefixes = [tokenizer(user_turn_prefix(tokenizer, chat_template_kwargs, system=s),
+                          add_special_tokens=False).input_ids for s in systems]
+    queue = [GenRequest(i, prefixes[i % len(prefixes)], max_tokens) for i in range(count)]
     seen: set[str] = set()
     out: list[str] = []
-    stats = SelfPromptStats(asked=count)
+    stats = SelfPromptStats(asked=count, kept_by_system=[0] * len(systems) if system_prompts else None)
 
     def feed(n: int) -> list[GenRequest]:
         take = queue[:n]
@@ -79,6 +101,8 @@ def sample_self_prompts(engine, tokenizer, count: int, *, max_tokens: int, chat_
             seen.add(text)
             out.append(text)
             stats.kept += 1
+            if stats.kept_by_system is not None:
+                stats.kept_by_system[r.key % len(systems)] += 1
             if on_prompt:
                 on_prompt(text)
 

@@ -69,7 +69,7 @@ SERVABILITY_CHECKED = ("prepare", "vocab", "extract", "export", "evaluate")
 # Dotted names reach into nested sections (the server address and how hard to push it do not change replies).
 _NEUTRAL = {
     "target": {"device", "cache_dir"}, "train": {"device", "log_every", "loader_workers"},
-    "extract": {"ignore_disk_space"},
+    "extract": {"ignore_disk_space"}, "tokenize": {"workers"},
     "generate": {"openai.base_url", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
                  "openai.max_retries", "reuse_from"},  # reuse_from: only runs whose replies are the same are read
 }
@@ -77,7 +77,9 @@ _NEUTRAL = {
 # Fields added after run folders were made with their sections: left out of a fingerprint while at this value (the
 # behaviour before the field existed), so a store or a training run made before is still current. A field set to
 # anything else is hashed, and changes the fingerprint as any other.
-_OMITTED_AT = {"train": {"fp8": "off"}, "extract": {"labels": "hidden", "label_topk": 32, "label_mass": 0.99}}
+# Dotted names reach into nested sections, as in _NEUTRAL.
+_OMITTED_AT = {"train": {"fp8": "off"}, "extract": {"labels": "hidden", "label_topk": 32, "label_mass": 0.99},
+               "prepare": {"self_prompts.system_prompts": None}}
 
 
 @cache
@@ -123,8 +125,12 @@ def _value(cfg: RunConfig, dotted: str) -> Any:
             if isinstance(n, dict):
                 n.pop(leaf, None)
         for k, at in _OMITTED_AT.get(section, {}).items():
-            if d.get(k) == at:
-                d.pop(k)
+            *parents, leaf = k.split(".")
+            n = d
+            for p in parents:
+                n = n.get(p) if isinstance(n, dict) else None
+            if isinstance(n, dict) and leaf in n and n[leaf] == at:
+                n.pop(leaf)
     return d
 
 

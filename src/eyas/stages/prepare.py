@@ -25,7 +25,7 @@ import time
 
 from ..data.formats import load_source, reasoning_kind
 from ..data.mix import NearDuplicateFilter, NgramIndex, choose, language_filter
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..io import JsonlAppender, atomic_path, write_json_atomic
 from ..records import Conversation, SkipCounter, SkipRecord
 from ..summaries import PrepareSummary
@@ -63,8 +63,12 @@ def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
                          batch_size=sp.batch_size)
     engine = make_engine(target.model, target.tokenizer, gen, prompt_limit=512, log=ctx.log)
     t0 = time.perf_counter()
-    prompts, st = sample_self_prompts(engine, target.tokenizer, sp.count, max_tokens=sp.max_tokens,
-                                      chat_template_kwargs=sp.chat_template_kwargs or None, min_chars=sp.min_chars)
+    try:
+        prompts, st = sample_self_prompts(engine, target.tokenizer, sp.count, max_tokens=sp.max_tokens,
+                                          chat_template_kwargs=sp.chat_template_kwargs or None,
+                                          min_chars=sp.min_chars, system_prompts=sp.system_prompts)
+    except ValueError as e:
+        raise ConfigError(f"prepare.self_prompts: {e}") from e
     seconds = time.perf_counter() - t0
     too_long = lang_out = 0
     if sp.max_chars is not None:
@@ -85,6 +89,9 @@ def _self_prompts(ctx: RunContext, skips: SkipCounter, stats: dict):
     stats.update(rows_read=st.asked, rows_kept=len(prompts), rows_skipped=st.asked - len(prompts),
                  skipped_by_reason={r: n for r, n in dropped.items() if n}, seconds=round(seconds, 2),
                  prompts_per_minute=round(st.kept / seconds * 60, 1) if seconds > 0 else None)
+    if st.kept_by_system is not None:   # ended and distinct, before the length and language filters
+        stats["kept_by_system_prompt"] = [{"system_prompt": s, "kept": k}
+                                          for s, k in zip(sp.system_prompts, st.kept_by_system)]
     ctx.log(f"[eyas] prepare: self-prompts: {st.asked} asked, {st.kept} ended and distinct in {seconds:.1f} s "
             f"({stats['prompts_per_minute']} a minute), {len(prompts)} kept after the length and language filters")
     for i, text in enumerate(prompts, 1):
@@ -173,7 +180,8 @@ def run(ctx: RunContext) -> PrepareSummary:
             if dropped:
                 entry["mix_dropped"] = dropped
             if "seconds" in stats:
-                entry["self_prompts"] = {k: stats[k] for k in ("seconds", "prompts_per_minute")}
+                entry["self_prompts"] = {k: stats[k] for k in ("seconds", "prompts_per_minute", "kept_by_system_prompt")
+                                         if k in stats}
             per_source.append(entry)
             ctx.log(
                 f"[eyas] prepare: {path}: {stats['rows_read']} rows read, {stats['rows_kept']} kept, "
