@@ -74,6 +74,9 @@ case $step in
     echo "code: commit $(cat .gpu/p3/code.rev)"
     rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
     cp bench/results/mix/warm/self_prompts.jsonl.xz /root/mix/   # for --self-prompts-file /root/mix/self_prompts.jsonl.xz
+    # every committed set of self-prompts (xz streams concatenated): --self-prompts-file /root/mix/self_prompts_all.jsonl.xz
+    cat bench/results/mix/warm/self_prompts.jsonl.xz bench/results/mix/more/self_prompts_more.jsonl.xz \
+      > /root/mix/self_prompts_all.jsonl.xz
     (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
