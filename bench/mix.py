@@ -511,15 +511,23 @@ def cmd_pack(args) -> None:
         xz = out / f"{best}_conversations.jsonl.xz"
         with open(xz, "wb") as f:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
-        if xz.stat().st_size > 16 * 2**20:      # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
-            subprocess.run(["split", "-b", str(16 * 2**20), "-d", "-a", "2", str(xz), f"{xz}."], check=True)
-            xz.unlink()
+        _split_over_limit(xz)                  # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
     for arm in (args.drafters.split(",") if args.drafters else [best] if best else []):
         if (runs / arm / "export" / "sglang").exists():      # drafter_<file> for the best, <arm>_<file> if named
             for f in sorted((runs / arm / "export" / "sglang").glob("*.safetensors")):
-                shutil.copy(f, out / (f"{arm}_{f.name}" if args.drafters else f"drafter_{f.name}"))
+                dest = out / (f"{arm}_{f.name}" if args.drafters else f"drafter_{f.name}")
+                shutil.copy(f, dest)
+                _split_over_limit(dest)        # a shard holding one tensor over 16 MiB (a 32K-id lm_head): parts
     for f in sorted(out.iterdir()):
         print(f"{f.name}: {f.stat().st_size:,} bytes")
+
+
+def _split_over_limit(path: Path, limit: int = 16 * 2**20) -> None:
+    """A file over ``limit`` bytes (what one file back from a device call may hold) is replaced by its parts
+    ``PATH.00``, ``PATH.01``, ...; ``cat PATH.* > PATH`` joins them (``bench/mix.sh join``)."""
+    if path.stat().st_size > limit:
+        subprocess.run(["split", "-b", str(limit), "-d", "-a", "2", str(path), f"{path}."], check=True)
+        path.unlink()
 
 
 def main() -> None:

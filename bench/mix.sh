@@ -17,6 +17,7 @@
 #                bench/mix.sh p [S] [ARGS]   pack: results, logs, the best drafter's weight files into $OUT
 #                                            (ARGS to `mix.py pack`, e.g. --no-conversations; 8 files come back)
 #   here:        bench/mix.sh cpu-check [ARGS]  the whole experiment at a tiny scale on the CPU (ARGS to `mix.py all`)
+#                bench/mix.sh join DIR       joins the parts pack split a file over 16 MiB into (FILE.00, FILE.01, ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:?step}
@@ -103,5 +104,10 @@ case $step in
     python3 bench/mix.py all --runs $R --data ../shared/data --max-rows 5 --self-prompts 6 --self-prompt-tokens 48 --tokens 30000 \
       --probe-step 2 --probe-prompts 2 "${S[@]}" "${@:2}"
     python3 bench/mix.py pack --runs $R --out $R/out ;;
+  join)
+    for first in "${2:?folder}"/*.00; do
+      whole=${first%.00}
+      cat "$whole".[0-9][0-9] > "$whole" && rm "$whole".[0-9][0-9] && ls -la "$whole"
+    done ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

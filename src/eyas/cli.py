@@ -83,7 +83,8 @@ def _train_command():
         force: bool = typer.Option(False, "--force", help="Redo 'train' (and clear every later stage)."),
         init_from: Optional[str] = typer.Option(
             None, "--init-from", help="Fine-tune this drafter folder (Eyas train/final or SGLang format), keeping "
-            "its draft vocabulary (d2t); same as train.init_from=DRAFTER."),
+            "its draft vocabulary (d2t), or moving it onto the run's with train.init_vocab=run; same as "
+            "train.init_from=DRAFTER."),
     ) -> None:
         import json
 

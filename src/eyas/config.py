@@ -357,6 +357,11 @@ class TrainConfig(Section):
     init_from: str | None = Field(
         None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d and shape "
         "are kept, except that a larger train.draft.intermediate_size widens its MLP (same outputs at the start)")
+    init_vocab: Literal["drafter", "run"] = Field(
+        "drafter", description="with init_from, the draft vocabulary trained over: 'drafter' keeps the drafter's "
+        "(the run's vocab stage is not used); 'run' moves the drafter onto the run's vocab stage's vocabulary: "
+        "lm_head rows of ids in both are kept, rows of new ids start from the target's lm_head rows through a "
+        "least-squares fit over the kept ones (a drafter whose vocabulary was chosen on other data)")
 
     @field_validator("betas")
     @classmethod

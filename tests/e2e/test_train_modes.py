@@ -1,6 +1,6 @@
 """The train stage on the real stories260K target: offline (from the store) equals online (the target in the
 training job, nothing stored) on the same data and seed; ``--init-from`` fine-tunes an Eyas or SGLang drafter and
-keeps its draft vocabulary."""
+keeps its draft vocabulary, or moves it onto the run's (``train.init_vocab: run``)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,16 @@ def test_offline_equals_online_and_init_from(tmp_path, shared):
     assert got["d2t"].shape == (200,) and (got["d2t"] == d2t).all()
     # it starts from the trained drafter: its first loss is near where the first run ended, far under a fresh one
     assert s["train"].first_loss < 0.5 * (off["train"].first_loss + off["train"].loss)
+
+    # train.init_vocab=run: the same drafter moved onto a run's larger vocabulary (its 200 ids kept, 100 new): it
+    # trains over the run's d2t and still starts from what it knows
+    v = _run(_config(tmp_path, shared, "ftv", 300, epochs=1, init_from=str(final), init_vocab="run"),
+             ["prepare", "generate", "tokenize", "vocab", "extract", "train"])
+    moved = load_file(str(tmp_path / "ftv" / "train" / "final" / "draft.safetensors"))
+    run_d2t = load_file(str(tmp_path / "ftv" / "vocab" / "vocab.safetensors"))["d2t"]
+    assert moved["d2t"].shape == (300,) and (moved["d2t"] == run_d2t).all()
+    assert moved["lm_head.weight"].shape[0] == 300
+    assert v["train"].first_loss < 0.5 * (off["train"].first_loss + off["train"].loss)
 
     # a wider drafter grown from it: train.draft.intermediate_size widens the MLP, which starts out computing what
     # the trained drafter computes (the same first loss as the fine-tune above, on the same batch) and is kept wide

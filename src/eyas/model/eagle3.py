@@ -346,6 +346,70 @@ def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) ->
     return wide.train(model.training)
 
 
+@dataclass
+class VocabRemap:
+    """What :func:`remap_draft_vocab` did: rows of the new draft vocabulary ``kept`` from the drafter, ``new``
+    (started from the fit), the drafter's ids ``dropped``, and the fit's mean cosine between predicted and actual
+    rows of kept ids it was not fitted on (``fit_cosine``: how well the target's rows predict the drafter's)."""
+
+    kept: int
+    new: int
+    dropped: int
+    fit_cosine: float
+
+
+def remap_draft_vocab(model: Eagle3DraftModel, d2t: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor,
+                      ridge: float = 1e-3) -> tuple[Eagle3DraftModel, VocabRemap]:
+    """A copy of ``model`` predicting over another draft vocabulary (``d2t`` int64 [D'], ``t2d`` bool [V]).
+
+    Every weight but the draft ``lm_head`` is kept. A row of the new ``lm_head`` [D', H] whose target id the
+    drafter already predicts is that drafter's row, so those ids keep their logits exactly; a row of a new id starts
+    from the target's own ``lm_head`` row [Ht] mapped into the draft's head by a ridge least-squares fit
+    ``[target_row, 1] @ W ~ draft_row`` (float64, ``W`` [Ht+1, H]) over the ids in both vocabularies: the drafter's
+    head is a learnt copy of the target's (EAGLE-3 trains it on the target's distribution), so the fit gives a new id
+    a row pointing where the drafter would have put it; training then moves it. Used by ``train.init_from`` with
+    ``train.init_vocab: run``: a drafter whose vocabulary was chosen on other data (ids outside it are certain
+    rejections in decoding) fine-tuned onto the run's vocabulary without starting over.
+
+    Raises ``ValueError`` when the vocabularies share fewer ids than the fit has unknowns (Ht + 1) or the target
+    vocabulary differs."""
+    old = model.config
+    if len(t2d) != old.vocab_size or target_lm_head.shape[0] != old.vocab_size:
+        raise ValueError(f"the new draft vocabulary is over {len(t2d)} target ids and the target head has "
+                         f"{target_lm_head.shape[0]} rows; the drafter's target has {old.vocab_size}")
+    new_ids = (d2t + torch.arange(len(d2t))).long()
+    old_ids = (model.d2t.cpu() + torch.arange(len(model.d2t))).long()
+    row_of = torch.full((old.vocab_size,), -1, dtype=torch.long)
+    row_of[old_ids] = torch.arange(len(old_ids))
+    src = row_of[new_ids]                                      # the drafter's row of each new id, -1 if none
+    kept = src >= 0
+    H1 = target_lm_head.shape[1] + 1
+    if int(kept.sum()) < H1:
+        raise ValueError(f"the drafter's vocabulary and the new one share {int(kept.sum())} ids; fitting rows for "
+                         f"new ids needs at least {H1} (the target's hidden size + 1)")
+    head = model.lm_head.weight.detach().cpu()
+    X = torch.cat([target_lm_head.detach().cpu().double(), torch.ones(old.vocab_size, 1, dtype=torch.float64)], 1)
+    Xk, Yk = X[new_ids[kept]], head[src[kept]].double()
+    # fit quality on held-out kept rows (every 10th), then the fit on all of them
+    test = torch.zeros(len(Xk), dtype=torch.bool)
+    test[::10] = True
+
+    def fit(A, B):
+        return torch.linalg.solve(A.T @ A + ridge * torch.eye(H1, dtype=A.dtype), A.T @ B)
+
+    pred = Xk[test] @ fit(Xk[~test], Yk[~test])
+    cosine = float(torch.nn.functional.cosine_similarity(pred, Yk[test], dim=1).mean())
+    rows = (X[new_ids] @ fit(Xk, Yk)).to(head.dtype)
+    rows[kept] = head[src[kept]]
+    out = Eagle3DraftModel(replace(old, draft_vocab_size=len(d2t)))
+    state = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    state.update({"lm_head.weight": rows, "d2t": d2t.clone(), "t2d": t2d.clone()})
+    out.load_state_dict(state)
+    out.gradient_checkpointing = model.gradient_checkpointing
+    return out.train(model.training), VocabRemap(kept=int(kept.sum()), new=int((~kept).sum()),
+                                                 dropped=len(old_ids) - int(kept.sum()), fit_cosine=round(cosine, 4))
+
+
 def _autocast_cast_dtype(weight: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast would cast this fp32 weight to in a matrix product on its device, or None (autocast off,
     or the weight not fp32: bf16 weights, or FSDP's bf16 mixed precision, need no cast)."""

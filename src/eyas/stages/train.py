@@ -2,7 +2,8 @@
 
 The draft vocabulary and layer ids are read from the run (vocab stage, store header), never recomputed; with
 ``--init-from DRAFTER`` (``train.init_from``, any drafter folder :func:`eyas.drafter.read_drafter` reads) the
-drafter's own d2t/t2d are kept. ``train.mode: online`` runs the
+drafter's own d2t/t2d are kept, or with ``train.init_vocab: run`` replaced by the run's (its lm_head re-indexed,
+:func:`eyas.model.eagle3.remap_draft_vocab`). ``train.mode: online`` runs the
 target in this job to make each batch's states (rounded to ``extract.dtype``, as the store would hold them, so
 offline and online train on the same numbers). Under ``torchrun`` every process runs this stage; process 0
 writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/tensorboard/`` and
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 
 from ..data.vocab import load_vocab
 from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..errors import EyasError, StoreError
 from ..families import text_config
-from ..model.eagle3 import widen_mlp
+from ..model.eagle3 import remap_draft_vocab, widen_mlp
 from ..records import read_tokenized
 from ..store import HiddenStateStore
 from ..store.header import expected_header
@@ -96,8 +98,11 @@ def run(ctx: RunContext) -> TrainSummary:
             raise EyasError(f"train.init_from: {cfg.init_from} was made for a target of vocabulary "
                             f"{dcfg.vocab_size} / hidden {dcfg.target_hidden_size}, this target has "
                             f"{embed.shape[0]} / {embed.shape[1]}")
-        ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
-                f"kept; the run's vocab stage is not used)")
+        if cfg.init_vocab == "run":
+            model = _onto_run_vocab(ctx, model, lm_head)
+        else:
+            ctx.log(f"[eyas] train: fine-tuning {cfg.init_from} (its draft vocabulary of {dcfg.draft_vocab_size} "
+                    f"kept; the run's vocab stage is not used: train.init_vocab=run trains over the run's)")
         model = _grow_to_asked_shape(model, cfg, ctx.log)
         dcfg = model.config
     else:
@@ -129,6 +134,28 @@ def run(ctx: RunContext) -> TrainSummary:
         tdist.broadcast_object_list(box, src=0)
         summary = box[0]
     return summary
+
+
+def _onto_run_vocab(ctx: RunContext, model, lm_head):
+    """``train.init_vocab: run``: the ``init_from`` drafter moved onto the run's draft vocabulary
+    (:func:`eyas.model.eagle3.remap_draft_vocab`), saying how many rows were kept, started new and dropped.
+
+    Raises :class:`EyasError` when the two vocabularies share too few ids for the fit."""
+    d2t, t2d = load_vocab(ctx.run.vocab)
+    if torch.equal(d2t, model.d2t.cpu()):
+        ctx.log(f"[eyas] train: fine-tuning {ctx.cfg.train.init_from}; its draft vocabulary is the run's "
+                f"({len(d2t)} ids)")
+        return model
+    try:
+        model, r = remap_draft_vocab(model, d2t, t2d, lm_head)
+    except ValueError as e:
+        raise EyasError(f"train.init_vocab=run: {ctx.cfg.train.init_from} cannot be moved onto {ctx.run.vocab}: "
+                        f"{e}; keep its vocabulary (train.init_vocab=drafter) or train from scratch") from None
+    ctx.log(f"[eyas] train: fine-tuning {ctx.cfg.train.init_from} over the run's draft vocabulary ({len(d2t)} ids, "
+            f"train.init_vocab=run): {r.kept} lm_head rows kept, {r.new} new ones started from the target's head "
+            f"(least-squares fit over the kept ids, cosine {r.fit_cosine} on held-out ones), {r.dropped} of the "
+            f"drafter's ids dropped")
+    return model
 
 
 def _check_label_vocab(ctx: RunContext, model, header) -> None:
