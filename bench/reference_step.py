@@ -248,7 +248,11 @@ def report(eyas_path: Path, ref_path: Path) -> list[str]:
     equal = {}
     table = ["", "| shape | reference: best batch (tokens/s, peak GB) | Eyas within that memory: batch, fp8 (tokens/s, "
              "peak GB) | ratio |", "|---|---|---|---:|"]
-    peak = (lambda x: x.get("peak_gb", x.get("peak_rss_gb", nan)))   # noqa: E731 - a CPU check has RSS only
+
+    def peak(x: dict) -> float:
+        """Peak GPU memory in GB (a CPU check has RSS only)."""
+        return x.get("peak_gb", x.get("peak_rss_gb", nan))
+
     for shape in sorted({r["shape"] for r in ref if r.get("batch", 1) > 1}):
         seq = max(r["seq"] for r in ref if r["shape"] == shape and r.get("batch", 1) > 1)   # 2,048 on the GPU
         r = best([x for x in ref if x["shape"] == shape and x["seq"] == seq])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
@@ -30,12 +31,12 @@ from ..batching import token_budget_batches
 from ..capture import make_backend
 from ..config import ExtractConfig, TargetConfig
 from ..distributed import Dist
+from ..dtypes import DTYPES
 from ..errors import ConfigError, DataError, DiskFullError, StoreError, is_disk_full
 from ..records import TokenizedSample, read_tokenized
 from ..run_folder import RunFolder
 from ..summaries import ExtractSummary
 from ..targets.load import resolve_device
-from ..dtypes import DTYPES
 from .header import expected_header
 from .labels import LabelMaker, smallest_k
 from .pipeline import BackgroundWriter
@@ -78,7 +79,7 @@ def extract_store(target: TargetConfig, extract: ExtractConfig, run: RunFolder,
         if dist.rank != 0:
             store = HiddenStateStore.create_or_open(run.store, header)
         try:
-            stats = extract_missing(target, extract, store, samples, dist, log)
+            stats = extract_missing(target, extract, store, samples, dist, log, vocab=run.vocab)
         except Exception as e:
             if is_disk_full(e):
                 raise disk_full_error(e, store, samples) from None
@@ -155,8 +156,9 @@ def disk_full_error(e: BaseException, store: HiddenStateStore, samples: list[Tok
 
 def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenStateStore,
                     samples: list[TokenizedSample], dist: Dist | None = None,
-                    log: Callable[[str], None] = print) -> dict:
+                    log: Callable[[str], None] = print, vocab: Path | None = None) -> dict:
     """Capture and store every sample of ``samples`` that ``store`` lacks (this rank's share of the work).
+    ``vocab``: the run's ``vocab.safetensors``, which a top-k store's labels are made over (needed for one).
 
     Recomputes each planned batch that holds a missing sample; only missing samples are written. Raises
     :class:`StoreError` when the backend yields a sample id it was not asked for, or other token ids.
@@ -175,7 +177,7 @@ def extract_missing(target: TargetConfig, extract: ExtractConfig, store: HiddenS
     if store.header.topk:
         # made where the states are when the backend can (only 4k + 1 bytes a token leave the device); else here
         on_backend = hasattr(backend, "labeler")
-        labeler = make_labeler(target, store, backend.input_device if on_backend else device)
+        labeler = make_labeler(target, store, vocab, backend.input_device if on_backend else device)
         if on_backend:
             backend.labeler = labeler
     writer = BackgroundWriter(store.shard_writer(rank=dist.rank), extract.shard_bytes)
@@ -235,17 +237,16 @@ def _mass_at(curve: dict[int, float], k: int) -> float:
     return curve[lo] + (curve[hi] - curve[lo]) * (k - lo) / (hi - lo)
 
 
-def make_labeler(target: TargetConfig, store: HiddenStateStore, device) -> LabelMaker:
+def make_labeler(target: TargetConfig, store: HiddenStateStore, vocab: Path | None, device) -> LabelMaker:
     """The top-k label maker of a top-k store: the target's lm_head (from its safetensors files) and the run's
-    draft vocabulary, checked against the store header's (its sha256). Raises :class:`StoreError` when the run's
-    vocabulary is not the one the store's labels are made over."""
+    draft vocabulary ``vocab`` (its ``vocab.safetensors``), checked against the store header's (its sha256). Raises
+    :class:`StoreError` when ``vocab`` is missing or not the one the store's labels are made over."""
     from ..data.vocab import load_vocab
     from ..io import sha256_file
     from ..targets.load import load_target_head
 
     h = store.header
-    vocab = RunFolder(store.root.parent.parent).vocab   # the run whose RUN/extract/store this is
-    if not vocab.exists() or sha256_file(vocab) != h.draft_vocab_sha256:
+    if vocab is None or not vocab.exists() or sha256_file(vocab) != h.draft_vocab_sha256:
         raise StoreError(f"{store.root}: its top-{h.label_topk} labels are made over another draft vocabulary than "
                          f"{vocab}; rebuild the store with `eyas extract CONFIG --force`")
     d2t, t2d = load_vocab(vocab)

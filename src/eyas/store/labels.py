@@ -45,13 +45,11 @@ def label_bytes_per_token(k: int, draft_vocab_size: int) -> int:
 @dataclass
 class CompactLabels:
     """One sample's (or one batch's flattened rows') top-k labels: ``ids`` int16/int32 [N, k], ``probs`` float16
-    [N, k], ``flags`` uint8 [N]; ``mass`` fp32 [len(MASS_CURVE_KS)]: the summed mass the top 1, 2, 4, ... hold,
-    over the N rows (for :func:`mass_curve`; not stored)."""
+    [N, k], ``flags`` uint8 [N]."""
 
     ids: torch.Tensor
     probs: torch.Tensor
     flags: torch.Tensor
-    mass: torch.Tensor | None = None
 
 
 class LabelMaker:
@@ -106,8 +104,7 @@ class LabelMaker:
             return torch.cat(ts).to(out_dev) if ts else torch.empty(0, self.k, dtype=dt, device=out_dev)
 
         return CompactLabels(cat(ids, self.id_dtype), cat(probs, PROB_DTYPE),
-                             torch.cat(flags).to(out_dev) if flags else torch.empty(0, dtype=torch.uint8),
-                             mass.to(out_dev))
+                             torch.cat(flags).to(out_dev) if flags else torch.empty(0, dtype=torch.uint8))
 
 
     def curve(self) -> dict[int, float]:
@@ -116,7 +113,7 @@ class LabelMaker:
 
 
 def mass_curve(mass_sum: torch.Tensor, rows: int, draft_vocab_size: int) -> dict[int, float]:
-    """``{k: mean mass the top k hold}`` from :attr:`CompactLabels.mass` summed over ``rows`` tokens (each k of
+    """``{k: mean mass the top k hold}`` from :attr:`LabelMaker.mass_sum`, the mass summed over ``rows`` tokens (each k of
     :data:`MASS_CURVE_KS`, those beyond the draft vocabulary as its size Dv, where the mass is 1)."""
     return {min(k, draft_vocab_size): round(float(m) / max(rows, 1), 5)
             for k, m in zip(MASS_CURVE_KS, mass_sum.tolist())}

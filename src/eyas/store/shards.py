@@ -499,18 +499,7 @@ class ShardWriter:
             raise StoreError(f"sample {sid}: non-finite hidden states")
         ids32 = input_ids.to(torch.int32).contiguous().cpu()
         aux, last = aux.contiguous().cpu(), last.contiguous().cpu()
-        tensors = {"input_ids": ids32}
-        if h.fp8:
-            if aux.dtype != FP8:
-                aux, aux_scale = quantize_fp8(aux)
-            if aux_scale is None or tuple(aux_scale.shape) != (T, L) or aux_scale.dtype != torch.float32:
-                raise StoreError(f"sample {sid}: fp8 aux needs aux_scale float32 [{T}, {L}]")
-            # quantize_fp8 clamps finite values into range, so a device-checked sample cannot hold an fp8 NaN
-            if not _all_finite(aux_scale) or (not finite and fp8_has_nan(aux)):
-                raise StoreError(f"sample {sid}: non-finite hidden states")
-            tensors.update(aux=aux, aux_scale=aux_scale.contiguous().cpu(), last=last)
-        else:
-            tensors.update(aux=aux, last=last)
+        tensors = {"input_ids": ids32, **self._stored_aux(sid, aux, aux_scale, finite), "last": last}
         entry = ManifestEntry(sid, T, sample_checksum(*tensors.values()), list(aux.shape), list(last.shape), h.dtype)
         return PreparedSample(entry, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
 
@@ -536,21 +525,27 @@ class ShardWriter:
             raise StoreError(f"sample {sid}: {problem}")
         if not finite and aux.dtype != FP8 and not _all_finite(aux):
             raise StoreError(f"sample {sid}: non-finite hidden states")
-        tensors = {"input_ids": input_ids.to(torch.int32).contiguous().cpu()}
-        aux = aux.contiguous().cpu()
-        if h.fp8:
-            if aux.dtype != FP8:
-                aux, aux_scale = quantize_fp8(aux)
-            if aux_scale is None or tuple(aux_scale.shape) != (T, L) or aux_scale.dtype != torch.float32:
-                raise StoreError(f"sample {sid}: fp8 aux needs aux_scale float32 [{T}, {L}]")
-            if not _all_finite(aux_scale) or (not finite and fp8_has_nan(aux)):
-                raise StoreError(f"sample {sid}: non-finite hidden states")
-            tensors.update(aux=aux, aux_scale=aux_scale.contiguous().cpu())
-        else:
-            tensors["aux"] = aux
+        tensors = {"input_ids": input_ids.to(torch.int32).contiguous().cpu(),
+                   **self._stored_aux(sid, aux.contiguous().cpu(), aux_scale, finite)}
         tensors.update({n: got[n].contiguous().cpu() for n in LABEL_TENSORS})
         entry = ManifestEntry(sid, T, sample_checksum(*tensors.values()), list(aux.shape), [T, k], h.dtype)
         return PreparedSample(entry, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def _stored_aux(self, sid: str, aux: torch.Tensor, aux_scale: torch.Tensor | None, finite: bool) -> dict:
+        """The aux tensors as the store keeps them: ``{"aux": [T, L, H]}`` in the store's dtype, or for an fp8 store
+        ``{"aux": fp8 [T, L, H], "aux_scale": float32 [T, L]}`` (quantised here unless already fp8). Raises
+        :class:`StoreError` for a missing or misshapen scale, or non-finite values ``finite`` does not vouch for."""
+        if not self.store.header.fp8:
+            return {"aux": aux}
+        T, L = int(aux.shape[0]), int(aux.shape[1])
+        if aux.dtype != FP8:
+            aux, aux_scale = quantize_fp8(aux)
+        if aux_scale is None or tuple(aux_scale.shape) != (T, L) or aux_scale.dtype != torch.float32:
+            raise StoreError(f"sample {sid}: fp8 aux needs aux_scale float32 [{T}, {L}]")
+        # quantize_fp8 clamps finite values into range, so a device-checked sample cannot hold an fp8 NaN
+        if not _all_finite(aux_scale) or (not finite and fp8_has_nan(aux)):
+            raise StoreError(f"sample {sid}: non-finite hidden states")
+        return {"aux": aux, "aux_scale": aux_scale.contiguous().cpu()}
 
     def append(self, p: PreparedSample) -> None:
         """Buffer a prepared sample for the next shard. Raises :class:`StoreError` for an id already stored."""
