@@ -80,10 +80,12 @@ def source(name: str, **extra) -> dict:
     return s
 
 
-def arms(self_file: str, max_rows: int | None, more_file: str | None = None) -> dict[str, list[dict]]:
+def arms(self_file: str, max_rows: int | None, more_file: str | None = None,
+         weight: float | None = None) -> dict[str, list[dict]]:
     """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_file``: arm d's newly
-    sampled self-prompts."""
-    lim = {"max_rows": max_rows} if max_rows else {}
+    sampled self-prompts; ``weight``: every source keeps that seeded share of its conversations (the same mix,
+    smaller: a run that must fit one device call)."""
+    lim = ({"max_rows": max_rows} if max_rows else {}) | ({"weight": weight} if weight else {})
     five = [source(n, **lim) for n in FIVE]
     capped = [source(n, **lim, **({"max_conversations": GSM8K_CAP} if n == "gsm8k_train.jsonl" else {}))
               for n in FIVE + NINE]
@@ -299,7 +301,7 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict, count: int, k
 def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str,
               more_file: str | None) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    every = arms(self_file, args.max_rows, more_file)
+    every = arms(self_file, args.max_rows, more_file, args.weight)
     srcs = {name: every[data_arm(name)] for name in chosen}   # each arm's prepare.sources
     cfgs = {name: write_config(runs, name, {"prepare.sources": srcs[name], "generate.reuse_from": args.reuse_from},
                                args.set)
@@ -562,6 +564,8 @@ def main() -> None:
                          "steered to those kinds")
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
+    ap.add_argument("--weight", type=float, default=None,
+                    help="prepare's seeded share of every source's conversations (e.g. 0.25: a quarter of the mix)")
     ap.add_argument("--reuse-from", action="append", default=[],
                     help="a run folder (or a copy of its generate stage) whose replies the arms reuse "
                          "(generate.reuse_from; not the probe run, which generates 256 tokens)")
