@@ -13,6 +13,9 @@
 #                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
 #                                            started in its own session (it outlives the call), watched for 540 s;
 #                                            the committed drafter is copied to /root/drafter0 (for train.init_from)
+#                bench/mix.sh one [ARGS]     b and p in one call (carry as b), for a run sized to end inside it
+#                                            (--weight, --tokens, --deadline-s; WAIT ~ 60 s under the call's limit):
+#                                            nothing is lost when the next call comes later than the warm 30 s
 #                bench/mix.sh w [SECONDS]    watch it (no carry)
 #                bench/mix.sh p [S] [ARGS]   pack: results, logs, the best drafter's weight files into $OUT
 #                                            (ARGS to `mix.py pack`, e.g. --no-conversations; 8 files come back)
@@ -82,6 +85,9 @@ case $step in
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
     python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
+  one)
+    WAIT=${WAIT:-420} "$0" b "${@:2}" || true
+    "$0" p 40 --no-conversations ;;
   w)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}
