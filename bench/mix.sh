@@ -86,8 +86,8 @@ case $step in
     sleep 5
     python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
   one)
-    WAIT=${WAIT:-420} "$0" b "${@:2}" || true
-    "$0" p 40 --no-conversations ;;
+    WAIT=${WAIT:-420} bash "$0" b "${@:2}" || true
+    bash "$0" p 40 --no-conversations ;;
   w)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}
