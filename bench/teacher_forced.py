@@ -54,13 +54,13 @@ def main() -> None:
         drafters[name] = load_drafter(Path(folder), embed, engine="sglang", num_target_layers=n_layers)
     ref = next(iter(drafters.values()))[0]
     ref_ids = set((ref.d2t + torch.arange(len(ref.d2t))).tolist())
-    layers = next(iter(drafters.values()))[1].layer_ids("output_of_layer")
+    layers = next(iter(drafters.values()))[1].layer_ids("hf_index")   # hidden_states[i]: output of layer i - 1
     hits = {n: {"in": [0, 0], "outside": [0, 0]} for n in drafters}
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
-            hs = target(ids, output_hidden_states=True).hidden_states   # index i + 1: output of layer i
-            aux = torch.cat([hs[i + 1] for i in layers], -1).to(torch.bfloat16).float()
+            hs = target(ids, output_hidden_states=True).hidden_states
+            aux = torch.cat([hs[i] for i in layers], -1).to(torch.bfloat16).float()
             for name, (m, _) in drafters.items():
                 pred = m.logits(m(ids, aux, ttt_steps=1)[0]).argmax(-1)[0]
                 pred = pred + m.d2t[pred]                                  # draft id -> target id

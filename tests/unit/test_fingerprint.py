@@ -60,8 +60,9 @@ def test_section_fingerprints_keep_their_format():
 
 
 def test_fields_added_later_keep_older_fingerprints_until_set():
-    """train.fp8, train.init_vocab and extract.labels (with label_topk, label_mass) came after stores and checkpoints were made: at
-    their defaults they are not hashed, so those stay current; set, they change the fingerprint as any field."""
+    """train.fp8, train.init_vocab and extract.labels (with label_topk, label_mass) came after stores and checkpoints
+    were made: at their defaults they are not hashed, so those stay current; set, they change the fingerprint as any
+    field."""
     cfg = RunConfig.model_validate(BASE)
     assert stage_fingerprint(_with(cfg, "train", fp8="tensorwise"), "train") != stage_fingerprint(cfg, "train")
     assert stage_fingerprint(_with(cfg, "train", init_vocab="run"), "train") != stage_fingerprint(cfg, "train")

@@ -47,7 +47,8 @@ def test_kept_rows_keep_their_logits_and_new_rows_follow_the_fit():
             lo, ln = m.logits(a), out.logits(b)
             torch.testing.assert_close(ln[..., :50], lo[..., 10:60], rtol=0, atol=0)   # same ids, same logits
     # a new id's row is where the drafter's (linear) head would have put it
-    true_rows = target_head[torch.arange(70, 90)] @ torch.linalg.lstsq(target_head[old_ids], m.lm_head.weight.detach()).solution
+    map_ = torch.linalg.lstsq(target_head[old_ids], m.lm_head.weight.detach()).solution
+    true_rows = target_head[torch.arange(70, 90)] @ map_
     cos = torch.nn.functional.cosine_similarity(out.lm_head.weight[50:].detach(), true_rows, dim=1)
     assert cos.min() > 0.99
     # and it trains: the new rows get gradients

@@ -113,8 +113,8 @@ class LabelMaker:
 
 
 def mass_curve(mass_sum: torch.Tensor, rows: int, draft_vocab_size: int) -> dict[int, float]:
-    """``{k: mean mass the top k hold}`` from :attr:`LabelMaker.mass_sum`, the mass summed over ``rows`` tokens (each k of
-    :data:`MASS_CURVE_KS`, those beyond the draft vocabulary as its size Dv, where the mass is 1)."""
+    """``{k: mean mass the top k hold}`` from :attr:`LabelMaker.mass_sum`, the mass summed over ``rows`` tokens
+    (each k of :data:`MASS_CURVE_KS`, those beyond the draft vocabulary as its size Dv, where the mass is 1)."""
     return {min(k, draft_vocab_size): round(float(m) / max(rows, 1), 5)
             for k, m in zip(MASS_CURVE_KS, mass_sum.tolist())}
 
