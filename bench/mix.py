@@ -32,6 +32,8 @@ held-out evaluation (``eyas.train.loop.evaluate_held_out``) with the target run 
                             [--variant NAME=ARM:k=v;k=v]  # another arm on ARM's data with its own settings
     python bench/mix.py wait --max-seconds 560     # progress, returns when ``all`` ends or the time is up
     python bench/mix.py pack --out DIR             # results.json, logs, the best drafter's weight files
+``--stop-after data`` ends ``all`` before training (a device call of its own); the same command again, without
+it, finds every stage done (Eyas skips a finished stage) and trains: a run in two calls, each ending whole.
 Writes RUNS/mix.log (progress), RUNS/results.json (per arm: the prepare mix, tokens, generate figures, training
 curve, probes; the choice), RUNS/<arm>/ (run folders).
 """
@@ -244,8 +246,14 @@ def step_of(ckpt: Path) -> int:
 def cmd_all(args) -> None:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
-    results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "tokens_planned": args.tokens,
-                     "probe_step": args.probe_step, "arms": {}}
+    earlier = runs / "results.json"
+    results: dict = json.loads(earlier.read_text()) if earlier.exists() else {"arms": {}}   # an earlier call's
+    if results.get("stopped_after"):
+        results["data_call"] = {"started": results.get("started"), "stopped_after": results.pop("stopped_after")}
+    results.update(started=time.strftime("%Y-%m-%dT%H:%M:%S"), tokens_planned=args.tokens,
+                   probe_step=args.probe_step)
+    for marker in ("ALL_DONE", "FAILED"):      # a `--stop-after` call's end: this call goes on from it
+        (runs / marker).unlink(missing_ok=True)
     save = lambda: (runs / "results.json").write_text(json.dumps(results, indent=1) + "\n")  # noqa: E731
     self_file = args.self_prompts_file or str(runs / "self_prompts.jsonl")
     chosen = args.arms.split(",")
@@ -264,6 +272,7 @@ def cmd_all(args) -> None:
                key=ORDER.index)
     if full not in chosen:
         chosen.insert(0, full)
+    results["full"] = full
 
     # 1. the self-prompts, once (only the c arms use them)
     if any(data_arm(a).startswith("c") for a in chosen) and not args.self_prompts_file:
@@ -342,7 +351,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     # baseline of this run measured in the same job
     toks = [(c, eyas("tokenize", c, wait=False, logfile=runs / f"{c.stem}.log")) for c in cfgs.values()]
     init = (yaml.safe_load(cfgs[full].read_text()).get("train") or {}).get("init_from")
-    if init:
+    if init and (results.get("init_probe") or {}).get("drafter") != init:   # not probed by an earlier call
         results["init_probe"] = {"drafter": init, **probe(runs, full, None, drafter=Path(init))}
         save()
         log(runs, "probe of train.init_from's drafter: " + " ".join(
@@ -366,6 +375,13 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
             log(runs, f"extract {name}: {ex['tokens']:,} tokens, {ex['bytes_per_token']} bytes/token, "
                       f"{ex.get('tokens_per_s')} tokens/s" + (f", label mass {ex['label_mass_by_k']}"
                                                                if ex.get("label_mass_by_k") else ""))
+
+    if args.stop_after == "data":   # a call of its own: the replies made and tokenized; `all` again trains
+        results["stopped_after"] = "data"
+        save()
+        log(runs, "stopped after the data (--stop-after data): the same `all` command again trains")
+        (runs / "ALL_DONE").write_text("data\n")
+        return
 
     # 5. train: every arm planned for the same tokens, all at once
     procs = {}
@@ -506,11 +522,12 @@ def cmd_pack(args) -> None:
             shutil.copy(runs / name, out / name)
     res = json.loads((runs / "results.json").read_text()) if (runs / "results.json").exists() else {}
     best = res.get("best")
-    conv = runs / (best or "") / "generate" / "conversations.jsonl"
-    if best and conv.exists() and not args.no_conversations:
+    made = best or res.get("full")          # the arm whose replies were generated (before training: `full`)
+    conv = runs / (made or "") / "generate" / "conversations.jsonl"
+    if made and conv.exists() and not args.no_conversations:
         # the target's replies, for generate.reuse_from in a later run (xz, in files of at most 16 MiB, what a
         # device call brings back)
-        xz = out / f"{best}_conversations.jsonl.xz"
+        xz = out / f"{made}_conversations.jsonl.xz"
         with open(xz, "wb") as f:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
         _split_over_limit(xz)                  # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
@@ -544,6 +561,8 @@ def main() -> None:
                          "nothing regenerated) with these settings on top of --set (e.g. a wider draft)")
     ap.add_argument("--no-conversations", action="store_true",
                     help="pack: leave the best arm's replies out (a later call packs them)")
+    ap.add_argument("--conversations", action="store_true",
+                    help="pack: the replies in (the default; for `PACK=--conversations bench/mix.sh one`)")
     ap.add_argument("--tokens", type=float, default=52e6, help="training tokens planned per arm")
     ap.add_argument("--all-to-end", action="store_true",
                     help="every arm trains to its end, then each is exported and probed (no choice, no early stop)")
@@ -569,6 +588,9 @@ def main() -> None:
     ap.add_argument("--reuse-from", action="append", default=[],
                     help="a run folder (or a copy of its generate stage) whose replies the arms reuse "
                          "(generate.reuse_from; not the probe run, which generates 256 tokens)")
+    ap.add_argument("--stop-after", choices=["data"], default=None,
+                    help="end once every arm's data is tokenized and its vocabulary made (one device call); the "
+                         "same `all` command without it then skips what is done and trains (the next call)")
     ap.add_argument("--deadline-s", type=float, default=1260, help="seconds after start at which training stops")
     ap.add_argument("--max-seconds", type=float, default=560)
     ap.add_argument("--arm", default=None)

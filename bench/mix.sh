@@ -16,6 +16,10 @@
 #                bench/mix.sh one [ARGS]     b and p in one call (carry as b), for a run sized to end inside it
 #                                            (--weight, --tokens, --deadline-s; WAIT ~ 60 s under the call's limit):
 #                                            nothing is lost when the next call comes later than the warm 30 s
+#                                            (PACK: pack's arguments, default --no-conversations)
+#                bench/mix.sh again [ARGS]   a run in two calls: after `one ... --stop-after data` (PACK=--conversations
+#                                            brings the replies back), `mix.py all ARGS` again on the same machine
+#                                            (no carry): the data is found done, the arms train, then pack (PACK)
 #                bench/mix.sh w [SECONDS]    watch it (no carry)
 #                bench/mix.sh p [S] [ARGS]   pack: results, logs, the best drafter's weight files into $OUT
 #                                            (ARGS to `mix.py pack`, e.g. --no-conversations; 8 files come back)
@@ -87,7 +91,16 @@ case $step in
     python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
   one)
     WAIT=${WAIT:-420} bash "$0" b "${@:2}" || true
-    bash "$0" p 40 --no-conversations ;;
+    bash "$0" p 40 ${PACK:---no-conversations} ;;
+  again)
+    gpu_env
+    python3 /root/work/bench/mix.py wait --max-seconds ${FIRST_WAIT:-60}
+    [ -f /root/mix/ALL_DONE ] || { echo "the earlier call's run has not ended: not starting another" >&2; exit 1; }
+    (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
+      >> /root/mix/all.out 2>&1 < /dev/null &)
+    sleep 5
+    python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-420} || true
+    bash "$0" p 40 ${PACK:---no-conversations} ;;
   w)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}

@@ -1,8 +1,11 @@
 """Teacher-forced step-0 accuracy of drafters on the tokens an engine actually emitted (CPU), split by whether a
 reference drafter's draft vocabulary holds the token: what a wider vocabulary could buy, and what it did buy.
+With ``--chain K``, the engine's chain decoding replayed over the same tokens: tokens per target forward and
+acceptance per position, as ``bench/vllm_accept.py`` counts them, from the drafter's own TTT steps (a figure for a
+drafter vLLM has not served, in a minute a set; the engine's greedy text does not depend on the drafter).
 
     python bench/teacher_forced.py --target TARGET_DIR --outputs RUN.json \
-        --drafter committed=bench/results/headline/drafter --drafter new=DIR [--prompts mt_bench.jsonl]
+        --drafter committed=bench/results/headline/drafter --drafter new=DIR [--prompts mt_bench.jsonl] [--chain 3]
 
 ``--outputs``: a ``bench/vllm_accept.py --json`` file; its first method's greedy outputs (token ids) are the text,
 each after its prompt rendered as ``vllm_accept.py`` renders it. The target runs in float32; its aux states are
@@ -27,12 +30,38 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
 
+def replay_chain(steps: list[torch.Tensor], ids: torch.Tensor, prompt_len: int, acc: dict) -> None:
+    """Replay greedy chain decoding over one emitted sequence, as an engine counts it.
+
+    ``steps[k][t]``: target id that TTT step k predicts at position t (token t+2+k), teacher-forced on ``ids``
+    (int64 [T]: the prompt, then the emitted tokens). The prefill emits the first token (one forward); then, with
+    tokens verified up to index n, the drafts are ``steps[k][n-1]`` for k < K, accepted while they match ``ids``,
+    and each verify forward emits the accepted drafts plus one token of its own. Adds to ``acc``: ``forwards``,
+    ``tokens`` and ``accepted_at[k]`` (verify forwards whose draft k was accepted; the prefill counts as a forward
+    that drafted nothing, as vLLM's tokens per target forward counts it)."""
+    T, K = len(ids), len(steps)
+    n = prompt_len                                                        # index of the prefill's token
+    acc["forwards"] += 1
+    acc["tokens"] += 1
+    while n + 1 < T:
+        a = 0
+        while a < K and n + 1 + a < T and int(steps[a][n - 1]) == int(ids[n + 1 + a]):
+            acc["accepted_at"][a] += 1
+            a += 1
+        emitted = min(a + 1, T - 1 - n)
+        acc["forwards"] += 1
+        acc["tokens"] += emitted
+        n += emitted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="the target's Hugging Face folder")
     ap.add_argument("--outputs", required=True, help="a bench/vllm_accept.py --json file")
     ap.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"))
     ap.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER (SGLang layout); first: reference")
+    ap.add_argument("--chain", type=int, default=0, help="also replay chain decoding with K draft tokens over the "
+                    "emitted tokens (TTT steps 0..K-1, teacher-forced) and give tokens per target forward")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
 
@@ -56,14 +85,18 @@ def main() -> None:
     ref_ids = set((ref.d2t + torch.arange(len(ref.d2t))).tolist())
     layers = next(iter(drafters.values()))[1].layer_ids("hf_index")   # hidden_states[i]: output of layer i - 1
     hits = {n: {"in": [0, 0], "outside": [0, 0]} for n in drafters}
+    chain = {n: {"forwards": 0, "tokens": 0, "accepted_at": [0] * args.chain} for n in drafters}
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
             hs = target(ids, output_hidden_states=True).hidden_states
             aux = torch.cat([hs[i] for i in layers], -1).to(torch.bfloat16).float()
             for name, (m, _) in drafters.items():
-                pred = m.logits(m(ids, aux, ttt_steps=1)[0]).argmax(-1)[0]
-                pred = pred + m.d2t[pred]                                  # draft id -> target id
+                steps = [m.logits(h).argmax(-1)[0] for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
+                steps = [d + m.d2t[d] for d in steps]                       # draft id -> target id
+                pred = steps[0]
+                if args.chain:
+                    replay_chain(steps, ids[0], len(p), chain[name])
                 for t in range(len(p) - 1, ids.shape[1] - 2):
                     y = int(ids[0, t + 2])
                     h = hits[name]["in" if y in ref_ids else "outside"]
@@ -79,6 +112,14 @@ def main() -> None:
         print(f"{name:12s} step-0 accuracy {res[name]['accuracy']:.4f} over {n} tokens; on tokens in the reference "
               f"vocabulary {res[name]['in_reference_vocab']:.4f} ({h['in'][1]}), outside it "
               f"{res[name]['outside_reference_vocab']:.4f} ({h['outside'][1]})")
+        if args.chain:
+            c = chain[name]
+            res[name]["chain"] = {"k": args.chain, "tokens": c["tokens"], "target_forwards": c["forwards"],
+                                  "tokens_per_target_forward": round(c["tokens"] / max(c["forwards"], 1), 4),
+                                  "accepted_per_position": [round(a / max(c["forwards"], 1), 4)
+                                                            for a in c["accepted_at"]]}
+            print(f"{name:12s} chain {args.chain}: {res[name]['chain']['tokens_per_target_forward']:.4f} tokens per "
+                  f"target forward, accepted per position {res[name]['chain']['accepted_per_position']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 
