@@ -176,7 +176,7 @@ def probe(runs: Path, arm: str, checkpoint: Path | None, drafter: Path | None = 
     import torch
 
     from eyas.config import load_config
-    from eyas.data.vocab import load_vocab
+    from eyas.data.vocab import draft_to_target_ids, load_vocab
     from eyas.distributed import Dist
     from eyas.drafter import load_drafter
     from eyas.store.header import aux_layer_ids
@@ -212,7 +212,7 @@ def probe(runs: Path, arm: str, checkpoint: Path | None, drafter: Path | None = 
     float_dtype = torch.bfloat16 if cuda else torch.float32
     step_module = DraftWithLoss(model, cfg.train, compiled=False).to(device)
     dist = Dist.from_env(device, cfg.train.distributed)
-    draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()
+    draft_ids = draft_to_target_ids(model.d2t.to(device))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     out = {}
     for name, samples in probe_samples(runs).items():

@@ -67,6 +67,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eyas.data.vocab import draft_to_target_ids
     from eyas.drafter import load_drafter
     from vllm_accept import prompts_of
 
@@ -82,7 +83,7 @@ def main() -> None:
         name, _, folder = item.partition("=")
         drafters[name] = load_drafter(Path(folder), embed, engine="sglang", num_target_layers=n_layers)
     ref = next(iter(drafters.values()))[0]
-    ref_ids = set((ref.d2t + torch.arange(len(ref.d2t))).tolist())
+    ref_ids = set(draft_to_target_ids(ref.d2t).tolist())
     layers = next(iter(drafters.values()))[1].layer_ids("hf_index")   # hidden_states[i]: output of layer i - 1
     hits = {n: {"in": [0, 0], "outside": [0, 0]} for n in drafters}
     chain = {n: {"forwards": 0, "tokens": 0, "accepted_at": [0] * args.chain} for n in drafters}

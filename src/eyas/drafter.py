@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 from safetensors.torch import load_file, save_file
 
-from .data.vocab import check_maps
+from .data.vocab import check_maps, draft_to_target_ids
 from .errors import EyasError
 from .export.keys import EMBED, check_state_shapes, draft_keys, full_vocabulary, model_name
 from .export.layouts import draft_config_from, engine_layer_ids, layer_config, layout_of, read_config
@@ -156,7 +156,7 @@ def read_drafter(folder: Path, *, num_target_layers: int | None = None, engine: 
         state["d2t"] = torch.zeros(config.draft.draft_vocab_size, dtype=torch.int64)   # the identity map
     if "t2d" not in state:
         state["t2d"] = torch.zeros(config.draft.vocab_size, dtype=torch.bool)
-        state["t2d"][state["d2t"] + torch.arange(len(state["d2t"]))] = True
+        state["t2d"][draft_to_target_ids(state["d2t"])] = True
     check_maps(state["d2t"], state["t2d"], str(folder))
     return DrafterWeights(config, state)
 

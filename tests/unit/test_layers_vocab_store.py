@@ -7,7 +7,7 @@ import torch
 
 from eyas.errors import ConfigError, StoreError
 from eyas.families import convert_layer_ids, default_aux_layer_ids
-from eyas.data.vocab import build_draft_vocab, maps_from_ids
+from eyas.data.vocab import build_draft_vocab, draft_to_target_ids, maps_from_ids
 from eyas.store import HiddenStateStore, StoreHeader
 
 
@@ -33,6 +33,8 @@ def test_draft_vocab_maps():
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
     assert (torch.arange(5) + d2t).tolist() == ids.tolist()
     assert t2d.nonzero().flatten().tolist() == ids.tolist()
+    back = draft_to_target_ids(d2t)                 # the engines' map from a drafted id to the target's
+    assert back.dtype == torch.int64 and back.tolist() == ids.tolist()
 
 
 def _header(run_id="r1", dtype="bfloat16"):

@@ -50,6 +50,12 @@ def build_draft_vocab(assistant_counts: Counter, other_counts: Counter, target_v
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of each draft id, int64 [D] on ``d2t``'s device, from the ``d2t`` offsets (int64 [D]):
+    ``d2t[i] + i``, as SGLang and vLLM map a drafted id back to the target's vocabulary."""
+    return (d2t + torch.arange(len(d2t), device=d2t.device)).long()
+
+
 def maps_from_ids(draft_ids: torch.Tensor, target_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t int64 [D], t2d bool [V])`` from ascending draft-to-target ids [D]."""
     d2t = draft_ids - torch.arange(len(draft_ids), dtype=torch.int64)
@@ -61,7 +67,7 @@ def maps_from_ids(draft_ids: torch.Tensor, target_vocab: int) -> tuple[torch.Ten
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
     """Raise :class:`StoreError` naming ``where`` unless ``d2t`` (int64 offsets) and ``t2d`` (bool) describe the same
     draft vocabulary."""
-    ids = d2t + torch.arange(len(d2t))
+    ids = draft_to_target_ids(d2t)
     if (d2t.dtype != torch.int64 or t2d.dtype != torch.bool or int(t2d.sum()) != len(d2t)
             or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(t2d))) or not bool(t2d[ids].all())):
         raise StoreError(f"{where}: d2t and t2d disagree (corrupt vocabulary)")

@@ -42,6 +42,7 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from ..data.vocab import draft_to_target_ids
 from ..dtypes import FROM_SAFETENSORS_CODE
 from ..errors import EyasError
 from ..families import convert_layer_ids, engine_default_aux_layer_ids, rope_parameters, text_config
@@ -270,7 +271,7 @@ def _check_vocab(folder: Path, meta: dict, cfg: dict, layer: dict, dcfg: Eagle3C
     elif d2t.dtype != torch.int64:
         rep.add("warning", "both", f"d2t is {d2t.dtype}; engines widen it to int64, but int64 is the format")
         d2t = d2t.long()
-    ids = d2t + torch.arange(len(d2t))
+    ids = draft_to_target_ids(d2t)
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= dcfg.vocab_size):
         rep.add("error", "both", f"d2t maps draft ids outside the target vocabulary [0, {dcfg.vocab_size})")
     elif len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..data.vocab import draft_to_target_ids
 from .attention import ATTENTION
 
 
@@ -377,8 +378,8 @@ def remap_draft_vocab(model: Eagle3DraftModel, d2t: torch.Tensor, t2d: torch.Ten
     if len(t2d) != old.vocab_size or target_lm_head.shape[0] != old.vocab_size:
         raise ValueError(f"the new draft vocabulary is over {len(t2d)} target ids and the target head has "
                          f"{target_lm_head.shape[0]} rows; the drafter's target has {old.vocab_size}")
-    new_ids = (d2t + torch.arange(len(d2t))).long()
-    old_ids = (model.d2t.cpu() + torch.arange(len(model.d2t))).long()
+    new_ids = draft_to_target_ids(d2t)
+    old_ids = draft_to_target_ids(model.d2t.cpu())
     row_of = torch.full((old.vocab_size,), -1, dtype=torch.long)
     row_of[old_ids] = torch.arange(len(old_ids))
     src = row_of[new_ids]                                      # the drafter's row of each new id, -1 if none

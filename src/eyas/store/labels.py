@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data.vocab import draft_to_target_ids
+
 PROB_DTYPE = torch.float16
 FLAG_IN_DRAFT = 1          # label_flags bit 0: the target's argmax is a draft id
 MASS_CURVE_KS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -74,7 +76,7 @@ class LabelMaker:
         self.dtype = dtype
         self.k, self.chunk, self.draft_vocab_size = k, chunk, dv
         self.lm_head = lm_head.to(self.device, dtype)
-        self.draft_ids = (d2t + torch.arange(dv)).to(self.device)
+        self.draft_ids = draft_to_target_ids(d2t).to(self.device)
         self.t2d = t2d.to(self.device)
         self.id_dtype = label_id_dtype(dv)
         self.mass_sum = torch.zeros(len(MASS_CURVE_KS), dtype=torch.float32, device=self.device)

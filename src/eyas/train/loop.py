@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import TrainConfig
+from ..data.vocab import draft_to_target_ids
 from ..distributed import Dist
 from ..errors import EyasError
 from ..io import JsonlAppender
@@ -253,7 +254,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     ckpt_dir = out_dir / "checkpoints"
 
     step, micro = _resume(ckpt_dir, step_module, opt, dist, fingerprint, out_dir, log, total_steps)
-    draft_ids = (model.d2t + torch.arange(len(model.d2t), device=device)).long()   # after resume: the run's
+    draft_ids = draft_to_target_ids(model.d2t.to(device))   # after resume: the run's
     t2d = model.t2d
     batches = DeviceBatches(micro_batch_loader(dataset, plan, dist.rank, micro, speed.workers,
                                                device.type == "cuda", speed.pad_to), states, device, float_dtype)
