@@ -85,9 +85,10 @@ def source(name: str, **extra) -> dict:
 def arms(self_file: str, max_rows: int | None, more_file: str | None = None,
          weight: float | None = None) -> dict[str, list[dict]]:
     """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_file``: arm d's newly
-    sampled self-prompts; ``weight``: every source keeps that seeded share of its conversations (the same mix,
-    smaller: a run that must fit one device call)."""
-    lim = ({"max_rows": max_rows} if max_rows else {}) | ({"weight": weight} if weight else {})
+    sampled self-prompts; ``weight``: every source but those keeps that seeded share of its conversations (the
+    same mix, smaller, beside all of the new prompts: a run that must fit one device call)."""
+    rows = {"max_rows": max_rows} if max_rows else {}
+    lim = rows | ({"weight": weight} if weight else {})
     five = [source(n, **lim) for n in FIVE]
     capped = [source(n, **lim, **({"max_conversations": GSM8K_CAP} if n == "gsm8k_train.jsonl" else {}))
               for n in FIVE + NINE]
@@ -95,7 +96,7 @@ def arms(self_file: str, max_rows: int | None, more_file: str | None = None,
             "c10": capped + [{"path": self_file, "format": "prompts", "max_conversations": 10000}],
             "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}],
             "d": [source(n, **lim) for n in FIVE + NINE] + [{"path": self_file, "format": "prompts", **lim}]
-            + ([{"path": more_file, "format": "prompts", **lim}] if more_file else [])}
+            + ([{"path": more_file, "format": "prompts", **rows}] if more_file else [])}
 
 
 def data_arm(name: str) -> str:
@@ -584,7 +585,8 @@ def main() -> None:
     ap.add_argument("--self-prompt-tokens", type=int, default=256, help="a longer self-prompt is dropped")
     ap.add_argument("--max-rows", type=int, default=None, help="rows read per file (the CPU check)")
     ap.add_argument("--weight", type=float, default=None,
-                    help="prepare's seeded share of every source's conversations (e.g. 0.25: a quarter of the mix)")
+                    help="prepare's seeded share of every source's conversations (e.g. 0.25: a quarter of the mix), "
+                         "but the --more-self-prompts sampled in this run, which are kept whole")
     ap.add_argument("--reuse-from", action="append", default=[],
                     help="a run folder (or a copy of its generate stage) whose replies the arms reuse "
                          "(generate.reuse_from; not the probe run, which generates 256 tokens)")
