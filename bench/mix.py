@@ -279,8 +279,8 @@ def cmd_all(args) -> None:
     if any(data_arm(a).startswith("c") for a in chosen) and not args.self_prompts_file:
         _self_prompts(runs, args, self_file, results, args.self_prompts, "self_prompts")
         save()
-    more_file = None
-    if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts:
+    more_file = args.more_self_prompts_file   # new prompts sampled by an earlier run (kept whole, as sampled ones)
+    if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts and not more_file:
         more_file = str(runs / "self_prompts_more.jsonl")
         _self_prompts(runs, args, more_file, results, args.more_self_prompts, "more_self_prompts")
         save()
@@ -457,10 +457,17 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
 
 
 def _all_to_end(runs: Path, args, results: dict, save, cfgs: dict, procs: dict) -> None:
-    """``--all-to-end``: every arm trains to the end of its schedule (or the deadline), then each is exported and
-    probed at its final drafter (an A/B of settings, not a choice of mix)."""
+    """``--all-to-end``: every arm trains to the end of its schedule (or the deadline) and is exported as it ends;
+    then each is probed at its final drafter (an A/B of settings, not a choice of mix)."""
     asked: set[str] = set()
-    while any(p.poll() is None for p in procs.values()):
+    exported: set[str] = set()
+    while any(p.poll() is None for p in procs.values()) or len(exported) < len(procs):
+        for name, p in procs.items():   # each arm exported as it ends: a pack before the others end has it
+            if p.poll() is not None and name not in exported:
+                exported.add(name)
+                if p.returncode == 0:
+                    eyas("export", cfgs[name], logfile=runs / f"{name}.log")
+                    log(runs, f"{name} ended and is exported")
         if time.time() - T0 > args.deadline_s:
             for name, p in procs.items():
                 if p.poll() is None and name not in asked:
@@ -473,7 +480,6 @@ def _all_to_end(runs: Path, args, results: dict, save, cfgs: dict, procs: dict) 
         if name in failed:
             continue
         results["arms"][name]["train"] = done(runs / name, "train")
-        eyas("export", cfgs[name], logfile=runs / f"{name}.log")
         results["arms"][name]["probe"] = {"step": results["arms"][name]["train"]["steps"], **probe(runs, name, None)}
         save()
         log(runs, f"probe {name} at its end: " + " ".join(
@@ -577,6 +583,9 @@ def main() -> None:
                          "instead of writing them (e.g. bench/results/mix/warm/self_prompts.jsonl.xz)")
     ap.add_argument("--more-self-prompts", type=int, default=0,
                     help="arm d: this many new self-prompts asked beside --self-prompts-file's")
+    ap.add_argument("--more-self-prompts-file", default=None,
+                    help="arm d: the new prompts from this prompts file instead of sampling them (an earlier run's, "
+                         "e.g. the steered set of bench/results/mix/steered/); kept whole under --weight")
     ap.add_argument("--self-prompt-seed", type=int, default=0, help="prepare.self_prompts.seed of the sampling")
     ap.add_argument("--self-prompt-systems", default=None,
                     help="prepare.self_prompts.system_prompts from this JSON file (a list of system messages, null "

@@ -7,7 +7,7 @@
 #                                            /root/prev` (carried by the `a` call)
 #   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl [.gpu/prev]: installs,
 #                                            unpacks (.gpu/prev to /root/prev)
-#                bench/mix.sh s N            carry .gpu/pN: stashes part N (1, 2; each call carries the working tree,
+#                bench/mix.sh s N            carry .gpu/pN [.gpu/prev]: stashes part N (1, 2; each call carries the working tree,
 #                                            about 32 MB with the committed drafter, so a part is at most ~30 MB)
 #                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
 #                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
@@ -16,7 +16,8 @@
 #                bench/mix.sh one [ARGS]     b and p in one call (carry as b), for a run sized to end inside it
 #                                            (--weight, --tokens, --deadline-s; WAIT ~ 60 s under the call's limit):
 #                                            nothing is lost when the next call comes later than the warm 30 s
-#                                            (PACK: pack's arguments, default --no-conversations)
+#                                            (PACK: pack's arguments, default --no-conversations; the pack
+#                                            waits for the run's end until CALL_S seconds into the call, 560)
 #                bench/mix.sh again [ARGS]   a run in two calls: after `one ... --stop-after data` (PACK=--conversations
 #                                            brings the replies back), `mix.py all ARGS` again on the same machine
 #                                            (no carry): the data is found done, the arms train, then pack (PACK)
@@ -33,6 +34,13 @@ gpu_env() {
   export MIX_RUNS=/root/mix MIX_DATA=/root/data TOKENIZERS_PARALLELISM=false
   ln -sfn /root/data .hdata
   mkdir -p /root/mix "${OUT:-runs/out}"
+}
+unpack_prev() {   # .gpu/prev, when this call carries it, to /root/prev (for --reuse-from /root/prev)
+  if [ -d .gpu/prev ]; then
+    rm -rf /root/prev && mkdir -p /root/prev && cp -r .gpu/prev/generate /root/prev/
+    xz -dc .gpu/prev/conversations.jsonl.xz > /root/prev/generate/conversations.jsonl
+    wc -l /root/prev/generate/conversations.jsonl
+  fi
 }
 case $step in
   parts)
@@ -61,16 +69,13 @@ case $step in
     ls -la .gpu/prev .gpu/prev/generate ;;
   a)
     gpu_env
-    if [ -d .gpu/prev ]; then
-      rm -rf /root/prev && mkdir -p /root/prev && cp -r .gpu/prev/generate /root/prev/
-      xz -dc .gpu/prev/conversations.jsonl.xz > /root/prev/generate/conversations.jsonl
-      wc -l /root/prev/generate/conversations.jsonl
-    fi
+    unpack_prev
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl
     tar xJf .gpu/hdata.tar.xz -C /root && mkdir -p /root/stash
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; df -h /root | tail -1
     python3 -c 'import datasketch, langdetect, pydantic, gguf; print("imports ok")' ;;
   s)
+    unpack_prev
     cp .gpu/p$2/sm_0$(($2 - 1)) /root/stash/ && ls -la /root/stash ;;
   b)
     gpu_env
@@ -85,14 +90,20 @@ case $step in
     # every committed set of self-prompts (xz streams concatenated): --self-prompts-file /root/mix/self_prompts_all.jsonl.xz
     cat bench/results/mix/warm/self_prompts.jsonl.xz bench/results/mix/more/self_prompts_more.jsonl.xz \
       > /root/mix/self_prompts_all.jsonl.xz
+    # the ninth session's 17,529 steered ones (bench/self_prompt_systems.json, seed 3), as that run's new prompts:
+    # --more-self-prompts-file /root/mix/self_prompts_steered.jsonl.xz (with --weight 0.2 it asks exactly that run's
+    # conversations, so `a` carrying .gpu/prev from its pack reuses every reply)
+    cp bench/results/mix/steered/self_prompts_steered.jsonl.xz /root/mix/
     (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
       > /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
     python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
   one)
+    t0=$(date +%s)
     WAIT=${WAIT:-420} bash "$0" b "${@:2}" || true
-    bash "$0" p 40 ${PACK:---no-conversations} ;;
+    bash "$0" p $(( ${CALL_S:-560} - $(date +%s) + t0 )) ${PACK:---no-conversations} ;;
   again)
+    t0=$(date +%s)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${FIRST_WAIT:-60}
     [ -f /root/mix/ALL_DONE ] || { echo "the earlier call's run has not ended: not starting another" >&2; exit 1; }
@@ -100,7 +111,7 @@ case $step in
       >> /root/mix/all.out 2>&1 < /dev/null &)
     sleep 5
     python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-420} || true
-    bash "$0" p 40 ${PACK:---no-conversations} ;;
+    bash "$0" p $(( ${CALL_S:-560} - $(date +%s) + t0 )) ${PACK:---no-conversations} ;;
   w)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}
