@@ -30,6 +30,9 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
 
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)   # buckets of the target's top-1 probability (--confidence)
+
+
 def replay_chain(steps: list[torch.Tensor], ids: torch.Tensor, prompt_len: int, acc: dict) -> None:
     """Replay greedy chain decoding over one emitted sequence, as an engine counts it.
 
@@ -62,6 +65,9 @@ def main() -> None:
     ap.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER (SGLang layout); first: reference")
     ap.add_argument("--chain", type=int, default=0, help="also replay chain decoding with K draft tokens over the "
                     "emitted tokens (TTT steps 0..K-1, teacher-forced) and give tokens per target forward")
+    ap.add_argument("--confidence", action="store_true",
+                    help="also split step-0 accuracy by the target's own top-1 probability for the predicted token "
+                         "(where the drafter misses: on tokens the target is sure of, or on near-coin-flips)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
 
@@ -87,11 +93,14 @@ def main() -> None:
     layers = next(iter(drafters.values()))[1].layer_ids("hf_index")   # hidden_states[i]: output of layer i - 1
     hits = {n: {"in": [0, 0], "outside": [0, 0]} for n in drafters}
     chain = {n: {"forwards": 0, "tokens": 0, "accepted_at": [0] * args.chain} for n in drafters}
+    by_conf = {n: [[0, 0] for _ in CONFIDENCE_EDGES[:-1]] for n in drafters}   # [right, tokens] per bucket
+    argmax_agree = [0, 0]
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
-            hs = target(ids, output_hidden_states=True).hidden_states
-            aux = torch.cat([hs[i] for i in layers], -1).to(torch.bfloat16).float()
+            out = target(ids, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16).float()
+            top = out.logits[0].softmax(-1).max(-1)          # the target's own top-1 at each position (fp32)
             for name, (m, _) in drafters.items():
                 steps = [m.logits(h).argmax(-1)[0] for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
                 steps = [d + m.d2t[d] for d in steps]                       # draft id -> target id
@@ -103,6 +112,14 @@ def main() -> None:
                     h = hits[name]["in" if y in ref_ids else "outside"]
                     h[0] += int(pred[t] == y)
                     h[1] += 1
+                    if args.confidence:                        # token t+2 is the target's choice at t+1
+                        c = float(top.values[t + 1])
+                        b = by_conf[name][next(i for i, e in enumerate(CONFIDENCE_EDGES[1:]) if c < e)]
+                        b[0] += int(pred[t] == y)
+                        b[1] += 1
+                        if name == next(iter(drafters)):
+                            argmax_agree[0] += int(int(top.indices[t + 1]) == y)
+                            argmax_agree[1] += 1
     res = {}
     for name, h in hits.items():
         right, n = h["in"][0] + h["outside"][0], h["in"][1] + h["outside"][1]
@@ -121,6 +138,18 @@ def main() -> None:
                                                             for a in c["accepted_at"]]}
             print(f"{name:12s} chain {args.chain}: {res[name]['chain']['tokens_per_target_forward']:.4f} tokens per "
                   f"target forward, accepted per position {res[name]['chain']['accepted_per_position']}")
+        if args.confidence:
+            n = sum(k for _, k in by_conf[name])
+            res[name]["by_target_top1"] = [
+                {"from": lo, "to": min(hi, 1.0), "share": round(k / n, 4), "step0_accuracy": round(r / max(k, 1), 4),
+                 "misses_of_all": round((k - r) / n, 4)}
+                for (r, k), lo, hi in zip(by_conf[name], CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:])]
+            for b in res[name]["by_target_top1"]:
+                print(f"{name:12s} target top-1 in [{b['from']:.1f}, {b['to']:.1f}): {b['share']:.3f} of tokens, "
+                      f"step-0 accuracy {b['step0_accuracy']:.3f}, misses {b['misses_of_all']:.3f} of all")
+    if args.confidence:
+        res["emitted_is_fp32_argmax"] = round(argmax_agree[0] / max(argmax_agree[1], 1), 4)
+        print(f"emitted token = the fp32 target's argmax: {res['emitted_is_fp32_argmax']:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 
