@@ -7,8 +7,9 @@
 #                                            /root/prev` (carried by the `a` call)
 #   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl [.gpu/prev]: installs,
 #                                            unpacks (.gpu/prev to /root/prev)
-#                bench/mix.sh s N            carry .gpu/pN [.gpu/prev]: stashes part N (1, 2; each call carries the working tree,
-#                                            about 32 MB with the committed drafter, so a part is at most ~30 MB)
+#                bench/mix.sh s N            carry .gpu/pN [.gpu/prev]: stashes part N (1, 2; each call carries the
+#                                            working tree, about 32 MB with the committed drafter, so a part is at
+#                                            most ~30 MB), unpacks .gpu/prev when carried (too large beside `a`'s)
 #                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
 #                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
 #                                            started in its own session (it outlives the call), watched for 540 s;
