@@ -101,9 +101,13 @@ def main() -> None:
             out = target(ids, output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16).float()
             top = out.logits[0].softmax(-1).max(-1)          # the target's own top-1 at each position (fp32)
+            if args.confidence:                                # does the emitted token (t+2) agree with it (t+1)?
+                span = slice(len(p), ids.shape[1] - 1)
+                argmax_agree[0] += int((top.indices[span] == ids[0, span.start + 1:]).sum())
+                argmax_agree[1] += span.stop - span.start
             for name, (m, _) in drafters.items():
-                steps = [m.logits(h).argmax(-1)[0] for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
-                steps = [d + m.d2t[d] for d in steps]                       # draft id -> target id
+                target_id = draft_to_target_ids(m.d2t)
+                steps = [target_id[m.logits(h).argmax(-1)[0]] for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
                 pred = steps[0]
                 if args.chain:
                     replay_chain(steps, ids[0], len(p), chain[name])
@@ -117,9 +121,6 @@ def main() -> None:
                         b = by_conf[name][next(i for i, e in enumerate(CONFIDENCE_EDGES[1:]) if c < e)]
                         b[0] += int(pred[t] == y)
                         b[1] += 1
-                        if name == next(iter(drafters)):
-                            argmax_agree[0] += int(int(top.indices[t + 1]) == y)
-                            argmax_agree[1] += 1
     res = {}
     for name, h in hits.items():
         right, n = h["in"][0] + h["outside"][0], h["in"][1] + h["outside"][1]
