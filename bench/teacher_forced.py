@@ -3,6 +3,9 @@ reference drafter's draft vocabulary holds the token: what a wider vocabulary co
 With ``--chain K``, the engine's chain decoding replayed over the same tokens: tokens per target forward and
 acceptance per position, as ``bench/vllm_accept.py`` counts them, from the drafter's own TTT steps (a figure for a
 drafter vLLM has not served, in a minute a set; the engine's greedy text does not depend on the drafter).
+With ``--conversations FILE --source S``, the text is instead the first reply of ``--n`` conversations of a
+generate stage's ``conversations.jsonl[.xz]`` whose source contains S (seeded pick, the reply tokenized and cut at
+``--max-new-tokens``): the same figures on training-like text, to tell a domain gap from a hard domain.
 
     python bench/teacher_forced.py --target TARGET_DIR --outputs RUN.json \
         --drafter committed=bench/results/headline/drafter --drafter new=DIR [--prompts mt_bench.jsonl] [--chain 3]
@@ -57,10 +60,39 @@ def replay_chain(steps: list[torch.Tensor], ids: torch.Tensor, prompt_len: int, 
         n += emitted
 
 
+def replies_of(path: Path, source: str, n: int, seed: int, max_new: int, tok) -> tuple[list, list]:
+    """Prompt ids (the first user turn, rendered as ``vllm_accept.py`` renders it) and reply ids (the first assistant
+    turn, at most ``max_new`` tokens) of ``n`` conversations picked with ``seed`` among the rows of a generate
+    stage's conversations file whose ``source`` contains ``source``. Raises SystemExit when fewer rows match."""
+    import lzma
+    import random
+
+    from eyas.data.chat import render_prompt
+
+    opener = lzma.open if path.suffix == ".xz" else open
+    with opener(path, "rt") as f:
+        rows = [r for r in map(json.loads, f) if source in r["source"]]
+    if len(rows) < n:
+        raise SystemExit(f"{path}: {len(rows)} rows with source containing {source!r}, {n} asked")
+    prompts, outs = [], []
+    for r in random.Random(seed).sample(rows, n):
+        msgs = r["messages"]
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+        reply = next(m["content"] for m in msgs[first:] if m["role"] == "assistant")
+        prompts.append(tok(render_prompt(tok, msgs[: first + 1]), add_special_tokens=False).input_ids)
+        outs.append(tok(reply, add_special_tokens=False).input_ids[:max_new])
+    return prompts, outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="the target's Hugging Face folder")
-    ap.add_argument("--outputs", required=True, help="a bench/vllm_accept.py --json file")
+    ap.add_argument("--outputs", help="a bench/vllm_accept.py --json file")
+    ap.add_argument("--conversations", help="instead of --outputs: a generate stage's conversations.jsonl[.xz]")
+    ap.add_argument("--source", default="", help="with --conversations: rows whose source contains this")
+    ap.add_argument("--n", type=int, default=80, help="with --conversations: conversations picked (seeded)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="with --conversations: reply tokens kept")
     ap.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"))
     ap.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER (SGLang layout); first: reference")
     ap.add_argument("--chain", type=int, default=0, help="also replay chain decoding with K draft tokens over the "
@@ -70,6 +102,8 @@ def main() -> None:
                          "(where the drafter misses: on tokens the target is sure of, or on near-coin-flips)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
+    if (args.outputs is None) == (args.conversations is None):
+        ap.error("give one of --outputs and --conversations")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,9 +115,12 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     n_layers = target.config.num_hidden_layers
     embed = target.get_input_embeddings().weight.detach()
-    outs = json.loads(Path(args.outputs).read_text())["results"][0]["outputs"]
-    outs = json.loads(outs) if isinstance(outs, str) else outs
-    prompts, _ = prompts_of(Path(args.prompts), tok, len(outs))
+    if args.conversations:
+        prompts, outs = replies_of(Path(args.conversations), args.source, args.n, args.seed, args.max_new_tokens, tok)
+    else:
+        outs = json.loads(Path(args.outputs).read_text())["results"][0]["outputs"]
+        outs = json.loads(outs) if isinstance(outs, str) else outs
+        prompts, _ = prompts_of(Path(args.prompts), tok, len(outs))
     drafters = {}
     for item in args.drafter:
         name, _, folder = item.partition("=")
