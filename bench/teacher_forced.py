@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,7 +64,8 @@ def replay_chain(steps: list[torch.Tensor], ids: torch.Tensor, prompt_len: int, 
 def replies_of(path: Path, source: str, n: int, seed: int, max_new: int, tok) -> tuple[list, list]:
     """Prompt ids (the first user turn, rendered as ``vllm_accept.py`` renders it) and reply ids (the first assistant
     turn, at most ``max_new`` tokens) of ``n`` conversations picked with ``seed`` among the rows of a generate
-    stage's conversations file whose ``source`` contains ``source``. Raises SystemExit when fewer rows match."""
+    stage's conversations file whose ``source`` contains ``source`` and that hold a reply. Raises SystemExit when
+    fewer rows match."""
     import lzma
     import random
 
@@ -71,7 +73,8 @@ def replies_of(path: Path, source: str, n: int, seed: int, max_new: int, tok) ->
 
     opener = lzma.open if path.suffix == ".xz" else open
     with opener(path, "rt") as f:
-        rows = [r for r in map(json.loads, f) if source in r["source"]]
+        rows = [r for r in map(json.loads, f) if source in r["source"]   # a reply after a user turn
+                and any(m["role"] == "assistant" for m in r["messages"][1:])]
     if len(rows) < n:
         raise SystemExit(f"{path}: {len(rows)} rows with source containing {source!r}, {n} asked")
     prompts, outs = [], []
@@ -100,6 +103,9 @@ def main() -> None:
     ap.add_argument("--confidence", action="store_true",
                     help="also split step-0 accuracy by the target's own top-1 probability for the predicted token "
                          "(where the drafter misses: on tokens the target is sure of, or on near-coin-flips)")
+    ap.add_argument("--misses", type=int, default=0,
+                    help="also list the N tokens the first drafter misses most often at step 0 where the target is "
+                         "sure (top-1 probability 0.9 or more), with what it proposed there")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if (args.outputs is None) == (args.conversations is None):
@@ -132,13 +138,15 @@ def main() -> None:
     chain = {n: {"forwards": 0, "tokens": 0, "accepted_at": [0] * args.chain} for n in drafters}
     by_conf = {n: [[0, 0] for _ in CONFIDENCE_EDGES[:-1]] for n in drafters}   # [right, tokens] per bucket
     argmax_agree = [0, 0]
+    sure_misses: Counter = Counter()   # (emitted, proposed, in the reference vocabulary) -> count (--misses)
+    sure_tokens = [0, 0]               # [missed, all] where the target is sure
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
             out = target(ids, output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16).float()
             top = out.logits[0].softmax(-1).max(-1)          # the target's own top-1 at each position (fp32)
-            if args.confidence:                                # does the emitted token (t+2) agree with it (t+1)?
+            if args.confidence or args.misses:                 # does the emitted token (t+2) agree with it (t+1)?
                 span = slice(len(p), ids.shape[1] - 1)
                 argmax_agree[0] += int((top.indices[span] == ids[0, span.start + 1:]).sum())
                 argmax_agree[1] += span.stop - span.start
@@ -153,6 +161,11 @@ def main() -> None:
                     h = hits[name]["in" if y in ref_ids else "outside"]
                     h[0] += int(pred[t] == y)
                     h[1] += 1
+                    if args.misses and name == next(iter(drafters)) and float(top.values[t + 1]) >= 0.9:
+                        sure_tokens[1] += 1
+                        if int(pred[t]) != y:
+                            sure_tokens[0] += 1
+                            sure_misses[(tok.decode([y]), tok.decode([int(pred[t])]), y in ref_ids)] += 1
                     if args.confidence:                        # token t+2 is the target's choice at t+1
                         c = float(top.values[t + 1])
                         b = by_conf[name][next(i for i, e in enumerate(CONFIDENCE_EDGES[1:]) if c < e)]
@@ -188,6 +201,17 @@ def main() -> None:
     if args.confidence:
         res["emitted_is_fp32_argmax"] = round(argmax_agree[0] / max(argmax_agree[1], 1), 4)
         print(f"emitted token = the fp32 target's argmax: {res['emitted_is_fp32_argmax']:.4f}")
+    if args.misses:
+        top_misses = [{"emitted": e, "proposed": q, "in_reference_vocab": v, "count": k}
+                      for (e, q, v), k in sure_misses.most_common(args.misses)]
+        res["sure_misses"] = {"tokens_target_sure": sure_tokens[1], "missed": sure_tokens[0],
+                              "outside_reference_vocab": sum(k for (_, _, v), k in sure_misses.items() if not v),
+                              "top": top_misses}
+        print(f"where the target is sure: {sure_tokens[0]} of {sure_tokens[1]} missed, "
+              f"{res['sure_misses']['outside_reference_vocab']} of them outside the reference vocabulary")
+        for m in top_misses:
+            print(f"  {m['count']:4d}  emitted {m['emitted']!r:16s} proposed {m['proposed']!r:16s} "
+                  f"{'' if m['in_reference_vocab'] else '(outside the vocabulary)'}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 
