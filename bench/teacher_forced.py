@@ -140,13 +140,14 @@ def main() -> None:
     argmax_agree = [0, 0]
     sure_misses: Counter = Counter()   # (emitted, proposed, in the reference vocabulary) -> count (--misses)
     sure_tokens = [0, 0]               # [missed, all] where the target is sure
+    ref_name = next(iter(drafters))
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
             out = target(ids, output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i] for i in layers], -1).to(torch.bfloat16).float()
             top = out.logits[0].softmax(-1).max(-1)          # the target's own top-1 at each position (fp32)
-            if args.confidence or args.misses:                 # does the emitted token (t+2) agree with it (t+1)?
+            if args.confidence:                                # does the emitted token (t+2) agree with it (t+1)?
                 span = slice(len(p), ids.shape[1] - 1)
                 argmax_agree[0] += int((top.indices[span] == ids[0, span.start + 1:]).sum())
                 argmax_agree[1] += span.stop - span.start
@@ -161,7 +162,7 @@ def main() -> None:
                     h = hits[name]["in" if y in ref_ids else "outside"]
                     h[0] += int(pred[t] == y)
                     h[1] += 1
-                    if args.misses and name == next(iter(drafters)) and float(top.values[t + 1]) >= 0.9:
+                    if args.misses and name == ref_name and float(top.values[t + 1]) >= 0.9:
                         sure_tokens[1] += 1
                         if int(pred[t]) != y:
                             sure_tokens[0] += 1
