@@ -131,8 +131,9 @@ def main() -> None:
     for item in args.drafter:
         name, _, folder = item.partition("=")
         drafters[name] = load_drafter(Path(folder), embed, engine="sglang", num_target_layers=n_layers)
-    ref = next(iter(drafters.values()))[0]
-    ref_ids = set(draft_to_target_ids(ref.d2t).tolist())
+    target_ids = {name: draft_to_target_ids(m.d2t) for name, (m, _) in drafters.items()}   # draft id -> target id
+    ref_name = next(iter(drafters))
+    ref_ids = set(target_ids[ref_name].tolist())
     layers = next(iter(drafters.values()))[1].layer_ids("hf_index")   # hidden_states[i]: output of layer i - 1
     hits = {n: {"in": [0, 0], "outside": [0, 0]} for n in drafters}
     chain = {n: {"forwards": 0, "tokens": 0, "accepted_at": [0] * args.chain} for n in drafters}
@@ -140,7 +141,6 @@ def main() -> None:
     argmax_agree = [0, 0]
     sure_misses: Counter = Counter()   # (emitted, proposed, in the reference vocabulary) -> count (--misses)
     sure_tokens = [0, 0]               # [missed, all] where the target is sure
-    ref_name = next(iter(drafters))
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o])
@@ -152,8 +152,8 @@ def main() -> None:
                 argmax_agree[0] += int((top.indices[span] == ids[0, span.start + 1:]).sum())
                 argmax_agree[1] += span.stop - span.start
             for name, (m, _) in drafters.items():
-                target_id = draft_to_target_ids(m.d2t)
-                steps = [target_id[m.logits(h).argmax(-1)[0]] for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
+                steps = [target_ids[name][m.logits(h).argmax(-1)[0]]
+                         for h in m(ids, aux, ttt_steps=max(args.chain, 1))]
                 pred = steps[0]
                 if args.chain:
                     replay_chain(steps, ids[0], len(p), chain[name])
