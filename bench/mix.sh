@@ -8,12 +8,17 @@
 #   device:      bench/mix.sh a              carry .gpu/hdata.tar.xz .gpu/smollm2.sha256 .whl [.gpu/prev]: installs,
 #                                            unpacks (.gpu/prev to /root/prev)
 #                bench/mix.sh s N            carry .gpu/pN [.gpu/prev]: stashes part N (1, 2; each call carries the
-#                                            working tree, about 32 MB with the committed drafter, so a part is at
+#                                            working tree, about 13 MB without the committed drafter, so a part is at
 #                                            most ~30 MB), unpacks .gpu/prev when carried (too large beside `a`'s)
+#                bench/mix.sh s d            no carry: the committed drafter (bench/results/headline/drafter, 47 MB
+#                                            with its 32,000-id head: the working tree alone, nothing beside it) to
+#                                            /root/drafter0, for train.init_from; every other call is made with that
+#                                            folder moved out of the tree (a call carries at most 64 MiB)
 #                bench/mix.sh b [ARGS]       carry .gpu/p3 .gpu/smollm2.sha256: the target whole, `mix.py all ARGS`
 #                                            on the code `parts` archived from HEAD (.gpu/p3/code.tar.xz)
 #                                            started in its own session (it outlives the call), watched for 540 s;
-#                                            the committed drafter is copied to /root/drafter0 (for train.init_from)
+#                                            the committed drafter is copied to /root/drafter0 when the tree has it
+#                                            (else `s d` stashed it there)
 #                bench/mix.sh one [ARGS]     b and p in one call (carry as b), for a run sized to end inside it
 #                                            (--weight, --tokens, --deadline-s; WAIT ~ 60 s under the call's limit):
 #                                            nothing is lost when the next call comes later than the warm 30 s
@@ -85,6 +90,10 @@ case $step in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; df -h /root | tail -1
     python3 -c 'import datasketch, langdetect, pydantic, gguf; print("imports ok")' ;;
   s)
+    if [ "$2" = d ]; then   # the committed drafter alone (too large to travel beside a part of the target)
+      rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0 && ls -la /root/drafter0
+      exit 0
+    fi
     unpack_prev
     cp .gpu/p$2/sm_0$(($2 - 1)) /root/stash/ && ls -la /root/stash ;;
   b)
@@ -95,7 +104,10 @@ case $step in
     # (the commit `parts` archived, so that uncommitted edits in the working tree never reach the device's run)
     rm -rf /root/work && mkdir -p /root/work && tar xJf .gpu/p3/code.tar.xz -C /root/work && ln -sfn /root/data /root/work/.hdata
     echo "code: commit $(cat .gpu/p3/code.rev)"
-    rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
+    if [ -d bench/results/headline/drafter ]; then
+      rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
+    fi
+    [ -d /root/drafter0 ] || echo "note: no /root/drafter0 (bench/mix.sh s d stashes it): train.init_from=/root/drafter0 will fail" >&2
     cp bench/results/mix/warm/self_prompts.jsonl.xz /root/mix/   # for --self-prompts-file /root/mix/self_prompts.jsonl.xz
     # every committed set of self-prompts (xz streams concatenated): --self-prompts-file /root/mix/self_prompts_all.jsonl.xz
     cat bench/results/mix/warm/self_prompts.jsonl.xz bench/results/mix/more/self_prompts_more.jsonl.xz \
