@@ -235,7 +235,7 @@ def report(eyas_path: Path, ref_path: Path) -> list[str]:
         ratio = e["tokens_per_s"] / r["tokens_per_s"]
         mem = e.get("peak_gb", nan) / r.get("peak_gb", nan)
         c16 = f"{e16['tokens_per_s']:,.0f} | {e16['tokens_per_s'] / r['tokens_per_s']:.2f}x" if e16 else "- | -"
-        c8 = (f"{e8['tokens_per_s']:,.0f} ({e8['fp8']}) | {e8['tokens_per_s'] / r['tokens_per_s']:.2f}x" if e8
+        c8 = (f"{e8['tokens_per_s']:,.0f} ({fp8_label(e8)}) | {e8['tokens_per_s'] / r['tokens_per_s']:.2f}x" if e8
               else "- | -")
         lines.append(f"| {r['shape']} | {r['seq']:,} | {r['tokens_per_s']:,.0f} | {c16} | {c8} | "
                      f"{r.get('peak_gb', nan):.1f} / {(e16 or {}).get('peak_gb', nan):.1f} / "
@@ -262,13 +262,18 @@ def report(eyas_path: Path, ref_path: Path) -> list[str]:
             continue
         equal[shape] = fit["tokens_per_s"] / r["tokens_per_s"]
         table.append(f"| {shape} | {r.get('batch', 1)} ({r['tokens_per_s']:,.0f}, {peak(r):.1f}) | "
-                     f"{fit.get('batch', 1)}, {fit.get('fp8', 'off')} ({fit['tokens_per_s']:,.0f}, "
+                     f"{fit.get('batch', 1)}, {fp8_label(fit)} ({fit['tokens_per_s']:,.0f}, "
                      f"{peak(fit):.1f}) | {equal[shape]:.2f}x |")
     if equal:
         lines += table
         tail.append("training throughput ratio to reference on 2K samples at equal memory: "
                     f"{equal.get('llama31-8b', nan):.2f}x (Llama-3.1-8B), {equal.get('kimi-k2', nan):.2f}x (Kimi-K2)")
     return lines + [""] + tail
+
+
+def fp8_label(row: dict) -> str:
+    """What ran in fp8 in an Eyas row: ``train.fp8``'s recipe, and ``+ fp8 lm_head`` (``train.fp8_lm_head``)."""
+    return row.get("fp8", "off") + (" + fp8 lm_head" if row.get("fp8_lm_head") else "")
 
 
 def agree(root: Path, T: int = 48, K: int = 7, attention: str = "flex_attention", seed: int = 0) -> dict:

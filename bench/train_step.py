@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from eyas.model.eagle3 import Eagle3Config, Eagle3DraftModel  # noqa: E402
-from eyas.train.fp8 import apply_fp8_training  # noqa: E402
+from eyas.train.fp8 import apply_fp8_training, fp8_lm_head_unavailable  # noqa: E402
 from eyas.train.loss import target_labels, ttt_loss_fused  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -93,13 +93,14 @@ KIMI_K2 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64
 SHAPES = {"llama31-8b": LLAMA31_8B, "kimi-k2": KIMI_K2, "smollm2": SMOLLM2, "tiny": TINY}
 
 
-def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk: int, compiled: bool):
+def make_step(model, data, params, opt, K: int, device: torch.device, loss_chunk: int, compiled: bool,
+              fp8_lm_head: bool = False):
     def step():
         labels = target_labels(data["last"], data["head"], data["draft_ids"], model.t2d, data["mask"])
         with torch.autocast(device.type, dtype=torch.bfloat16):
             hiddens = model(data["ids"], data["aux"], K)
             loss, metrics = ttt_loss_fused(hiddens, model.norm, model.lm_head.weight, labels, 0.8, chunk=loss_chunk,
-                                            compiled=compiled)
+                                            compiled=compiled, fp8=fp8_lm_head)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -148,14 +149,20 @@ def peak_memory(device: torch.device) -> dict:
 
 def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: str, compile_layer: bool,
             warmup: int, iters: int, loss_chunk: int, param_dtype: str = "fp32", profile: Path | None = None,
-            batch: int = 1, shape_name: str = "", fp8: str = "off") -> dict:
+            batch: int = 1, shape_name: str = "", fp8: str = "off", fp8_lm_head: bool = False) -> dict:
     model, data, params, opt = build(cfg, T, device, attention, param_dtype=param_dtype, batch=batch)
     # train.fp8: the draft's linear layers through torchao's float8 training (before compile, as the loop does);
     # on a CPU or an older GPU it falls back and the row says so
     conv = apply_fp8_training(model, fp8, device, log=lambda m: print(m, flush=True))
     if compile_layer:  # norms, RoPE, MLP elementwise and the loss's per-chunk work through torch.compile
         model.compile_ttt()
-    step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer)
+    # train.fp8_lm_head: the lm_head's products in the fused loss through torch._scaled_mm (the loop's rule: fp8
+    # tensor cores, sizes multiples of 16; elsewhere the row says why it was not used)
+    head_why = fp8_lm_head_unavailable(device, tuple(model.lm_head.weight.shape)) if fp8_lm_head else None
+    if head_why:
+        print(f"fp8 lm_head not used: {head_why}", flush=True)
+    head_fp8 = fp8_lm_head and head_why is None
+    step = make_step(model, data, params, opt, K, device, loss_chunk, compile_layer, head_fp8)
     (loss, gn), warm_s, times = warm_and_time(step, device, warmup, iters)
     if profile is not None and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
@@ -174,6 +181,7 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
     out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "attention": attention,
            "compile_layer": compile_layer, "fp8": conv.recipe, **({"fp8_fallback": conv.fallback} if conv.fallback
                                                                   else {}),
+           "fp8_lm_head": head_fp8,
            "param_dtype": param_dtype, "loss_chunk": loss_chunk,
            "step_ms": round(med * 1e3, 2), "step_ms_min": round(times[0] * 1e3, 2),
            "tokens_per_s": round(batch * T / med, 1), "tflops_per_s": round(batch * T * (dense + attn) / med / 1e12, 1),
@@ -219,6 +227,8 @@ def main() -> None:
                     help="fp32 master weights + bf16 autocast (default), or bf16 weights")
     ap.add_argument("--fp8", nargs="+", default=["off"], choices=["off", "tensorwise", "rowwise"],
                     help="train.fp8 settings to time (fp8 products in the draft's linear layers, torchao)")
+    ap.add_argument("--fp8-lm-head", nargs="+", default=["off"], choices=["off", "on"],
+                    help="train.fp8_lm_head settings to time (the draft lm_head's products in fp8 in the fused loss)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1],
                     help="sequences a step (each --seq long): Eyas's token budget is batch x seq")
     ap.add_argument("--profile", type=Path, help="write a CUDA kernel table of 2 steps of the first configuration")
@@ -232,9 +242,9 @@ def main() -> None:
     compiles = {"none": [False], "layer": [True], "both": [False, True]}[args.compile]
     rows, t0 = [], time.time()
     shapes = ["tiny"] if args.tiny else args.shape
-    combos = [(s, a, c, pd, f8, b) for s in shapes for a in args.attention for c in compiles for pd in args.param_dtype
-              for f8 in args.fp8 for b in args.batch]
-    for shape, attention, comp, pdt, f8, bsz in combos:
+    combos = [(s, a, c, pd, f8, b, hd == "on") for s in shapes for a in args.attention for c in compiles
+              for pd in args.param_dtype for f8 in args.fp8 for b in args.batch for hd in args.fp8_lm_head]
+    for shape, attention, comp, pdt, f8, bsz, head8 in combos:
         cfg = Eagle3Config(**SHAPES[shape])
         for T in args.seq:
             if attention == "sdpa" and T > 8192:
@@ -244,9 +254,11 @@ def main() -> None:
                 continue
             try:
                 r = measure(cfg, T, args.ttt, device, attention, comp, args.warmup, args.iters, args.loss_chunk,
-                            pdt, args.profile if not rows else None, batch=bsz, shape_name=shape, fp8=f8)
+                            pdt, args.profile if not rows else None, batch=bsz, shape_name=shape, fp8=f8,
+                            fp8_lm_head=head8)
             except Exception as e:  # an OOM or a compile failure is a result too
-                r = {"shape": shape, "seq": T, "batch": bsz, "fp8": f8, "attention": attention, "compile_layer": comp,
+                r = {"shape": shape, "seq": T, "batch": bsz, "fp8": f8, "fp8_lm_head": head8, "attention": attention,
+                     "compile_layer": comp,
                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -256,13 +268,14 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if args.out:
                 args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    print("\nattention compile fp8        params   seq batch  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
+    print("\nattention compile fp8        head8 params   seq batch  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
     for r in rows:
         if "error" in r:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['seq']:6} {r['batch']:3}  ERROR "
                   f"{r['error'][:80]}")
         else:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['param_dtype']:6} {r['seq']:6} "
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {str(r.get('fp8_lm_head', False)):5} "
+                  f"{r['param_dtype']:6} {r['seq']:6} "
                   f"{r['batch']:5} "
                   f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")

@@ -330,6 +330,12 @@ class TrainConfig(Section):
         "per tensor or per row; needs a CUDA GPU of compute capability >= 8.9 (L40S, RTX 4090, H100, H200) and "
         "torchao (pip install 'eyas[fp8]'), elsewhere it falls back to the products train.autocast gives, saying "
         "so; off by default: acceptance with it is not yet measured to equal bf16's")
+    fp8_lm_head: bool = Field(
+        False, description="the draft lm_head's three products inside the fused loss (logits, and the gradients to "
+        "the hidden states and to the weight) in fp8 through torch._scaled_mm, one scale per tensor (e4m3 forward, "
+        "e5m2 gradients); independent of train.fp8; the same hardware rule (a CUDA GPU of compute capability >= 8.9), "
+        "elsewhere it falls back to the products train.autocast gives, saying so; needs a hidden size and draft "
+        "vocabulary that are multiples of 16; off by default: acceptance with it is not yet measured")
     draft: DraftConfig = Field(default_factory=DraftConfig)
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline: states from the extract stage's store; online: the target runs in the "

@@ -101,6 +101,7 @@ class TrainSummary(Summary):
     stopped_on_request: bool | None = None  # RUN/train/STOP ended the run before its schedule did
     fp8: str = "off"                # the fp8 scaling the draft's matrix products used (train.fp8; "off": none)
     fp8_fallback: str | None = None  # why train.fp8 was asked for but not used (the device, its GPU, no torchao)
+    fp8_lm_head: bool = False       # the draft lm_head's products in fp8 inside the fused loss (train.fp8_lm_head)
 
     @model_validator(mode="before")
     @classmethod

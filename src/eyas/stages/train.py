@@ -207,7 +207,7 @@ def _write_final(ctx: RunContext, result, dcfg, layer_ids, header, n_params: int
     summary = summarise_metrics(ctx.run.train_metrics, cfg.ttt_steps)
     summary.update(trainable_parameters=n_params, steps=result.steps, mode=cfg.mode,
                    tokens_per_s=round(result.final_metrics.get("tokens_per_s", 0.0), 1),
-                   stopped_early=result.stopped_early, fp8=result.fp8.recipe)
+                   stopped_early=result.stopped_early, fp8=result.fp8.recipe, fp8_lm_head=result.fp8_lm_head)
     if result.fp8.fallback:
         summary.update(fp8_fallback=result.fp8.fallback)
     return TrainSummary(**summary)

@@ -13,7 +13,9 @@ length, is one too on CUDA, where the loop pads lengths to 64). What stays as it
 otherwise):
 
 - the draft ``lm_head``: :func:`eyas.train.loss.ttt_loss_fused` multiplies by ``lm_head.weight`` itself, chunk by
-  chunk, never calling the module, so a converted module would not be used; left out on purpose;
+  chunk, never calling the module, so a converted module would not be used; left out on purpose (its products have
+  their own setting, ``train.fp8_lm_head``, done inside the fused loss: :func:`fp8_lm_head_unavailable` says where
+  it can run);
 - the target's lm_head, from which the soft labels come (:func:`eyas.train.loss.target_labels`): it is not part of
   the draft and its products make the labels, which stay as accurate as the loss needs;
 - attention (SDPA or flex), the norms, RoPE and the embedding table.
@@ -68,6 +70,18 @@ def fp8_unavailable(device: torch.device, capability: tuple[int, int] | None = N
     if tuple(capability) < MIN_CAPABILITY:
         return f"{name} has compute capability {capability[0]}.{capability[1]}"
     return None
+
+
+def fp8_lm_head_unavailable(device: torch.device, shape: tuple[int, int],
+                            capability: tuple[int, int] | None = None) -> str | None:
+    """Why ``train.fp8_lm_head`` cannot run (a sentence), or None when it can: the draft lm_head's products in fp8
+    inside the fused loss (:func:`eyas.train.loss.ttt_loss_fused`, ``fp8=True``) need fp8 tensor cores (as
+    :func:`fp8_unavailable`) and an lm_head ``shape`` [Dv, H] whose two sizes are multiples of 16. No torchao:
+    the loss calls ``torch._scaled_mm`` itself."""
+    reason = fp8_unavailable(device, capability)
+    if reason is None and any(d % MULTIPLE for d in shape):
+        reason = f"the lm_head is {list(shape)}, not multiples of {MULTIPLE}"
+    return reason
 
 
 def apply_fp8_training(model: nn.Module, recipe: str, device: torch.device,

@@ -30,7 +30,7 @@ from ..io import JsonlAppender
 from ..model.eagle3 import Eagle3DraftModel
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .data import STATE_KEYS, collate, epoch_plan, micro_batch_loader
-from .fp8 import Fp8Conversion, apply_fp8_training
+from .fp8 import Fp8Conversion, apply_fp8_training, fp8_lm_head_unavailable
 from .loss import TargetLabels, batch_labels, step_counts, ttt_loss_fused
 from .metrics import StepMetrics
 
@@ -48,7 +48,8 @@ def stored_states(batch: dict, device: torch.device) -> dict:
 @dataclass
 class TrainResult:
     """``final_state``: the draft's trainable tensors (full, CPU; gathered under FSDP), on process 0 only.
-    ``fp8``: what ``train.fp8`` did (the recipe used, or the reason it fell back)."""
+    ``fp8``: what ``train.fp8`` did (the recipe used, or the reason it fell back); ``fp8_lm_head``: whether the
+    lm_head's products ran in fp8 (``train.fp8_lm_head``, False on a fallback)."""
 
     steps: int
     tokens: int
@@ -57,6 +58,7 @@ class TrainResult:
     final_state: dict
     stopped_early: bool = False
     fp8: Fp8Conversion = Fp8Conversion("off")
+    fp8_lm_head: bool = False
 
 
 @dataclass
@@ -154,16 +156,17 @@ class DraftWithLoss(nn.Module):
     DDP's and FSDP2's hooks see every parameter the loss uses (``norm``, ``lm_head``) inside one call. The loss
     itself lives in :mod:`eyas.train.loss`; the draft keeps the served checkpoint's attribute names."""
 
-    def __init__(self, draft: Eagle3DraftModel, cfg: TrainConfig, compiled: bool):
+    def __init__(self, draft: Eagle3DraftModel, cfg: TrainConfig, compiled: bool, fp8_lm_head: bool = False):
         super().__init__()
         self.draft = draft
         self.ttt_steps, self.decay, self.compiled = cfg.ttt_steps, cfg.ttt_decay, compiled
+        self.fp8_lm_head = fp8_lm_head      # train.fp8_lm_head, where the device can (train() decides)
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, labels: TargetLabels,
                 denominators: torch.Tensor) -> tuple[torch.Tensor, dict]:
         hiddens = self.draft(input_ids, aux, self.ttt_steps)
         return ttt_loss_fused(hiddens, self.draft.norm, self.draft.lm_head.weight, labels, self.decay,
-                              compiled=self.compiled, denominators=denominators)
+                              compiled=self.compiled, denominators=denominators, fp8=self.fp8_lm_head)
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -234,6 +237,13 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     float_dtype = torch.bfloat16 if speed.autocast else torch.float32
     # before compile and the DDP/FSDP2 wrapper, which must see the converted modules; state_dict keys unchanged
     fp8 = apply_fp8_training(model, cfg.fp8, device, log, matmul_dtype=float_dtype)
+    head_fp8 = False
+    if cfg.fp8_lm_head:
+        why = fp8_lm_head_unavailable(device, tuple(model.lm_head.weight.shape))
+        head_fp8 = why is None
+        log("[eyas] train: train.fp8_lm_head: the draft lm_head's products in fp8 (tensorwise scaling) inside the "
+            "fused loss" if head_fp8 else f"[eyas] train: train.fp8_lm_head is not used: {why}: the lm_head's "
+            f"products stay in {str(float_dtype).removeprefix('torch.')}")
     attention = cfg.attention
     if attention == "flex" and device.type == "cpu":   # flex_attention has no CPU backward (torch 2.11-2.13)
         warnings.warn("train.attention=flex has no backward on the CPU: training with 'sdpa' (the same function)",
@@ -245,7 +255,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
         model.compile_ttt()
     lm_head = lm_head.to(device, float_dtype if speed.autocast else lm_head.dtype)
     trainable_keys = set(model.trainable_state_dict())
-    step_module = dist.wrap(DraftWithLoss(model, cfg, speed.compile))
+    step_module = dist.wrap(DraftWithLoss(model, cfg, speed.compile, fp8_lm_head=head_fp8))
     params = [p for p in step_module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                             fused=device.type == "cuda" and not (dist.world > 1 and cfg.distributed == "fsdp"))
@@ -333,7 +343,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
     final_state = {k[len("draft."):]: v for k, v in full.items() if k[len("draft."):] in trainable_keys}
     return TrainResult(steps=step, tokens=tokens_seen, final_metrics=metrics.to_json() if metrics else {},
                        seconds=time.time() - t0, final_state=final_state if dist.is_main else {},
-                       stopped_early=stopped_early, fp8=fp8)
+                       stopped_early=stopped_early, fp8=fp8, fp8_lm_head=head_fp8)
 
 
 @torch.no_grad()

@@ -139,6 +139,37 @@ def _soft_ce_kernel(compiled: bool):
     return torch.compile(_soft_ce_chunk, dynamic=True) if compiled else _soft_ce_chunk
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MULTIPLE = 16          # torch._scaled_mm: every dimension of an fp8 operand a multiple of 16
+
+
+def _soft_ce_chunk_fp8(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor, grad_row_w: torch.Tensor,
+                       g_scale: torch.Tensor):
+    """:func:`_soft_ce_chunk` with the gradient returned in fp8 e5m2, multiplied by ``g_scale`` (fp32, 0-dim) before
+    the cast, in the same pass (no fp32 [B, c, Dv] gradient is written)."""
+    loss, hits, grad = _soft_ce_chunk(logits, probs, row_w, grad_row_w)
+    g = (grad * g_scale).clamp(-torch.finfo(E5M2).max, torch.finfo(E5M2).max)
+    return loss, hits, g.to(E5M2)
+
+
+@functools.lru_cache(maxsize=2)
+def _soft_ce_kernel_fp8(compiled: bool):
+    return torch.compile(_soft_ce_chunk_fp8, dynamic=True) if compiled else _soft_ce_chunk_fp8
+
+
+def _to_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise fp8 e4m3: (``t * s`` cast to e4m3, ``1 / s``) with ``s = 448 / amax(|t|)``; the second is the
+    scale ``torch._scaled_mm`` multiplies the product back by."""
+    fmax = torch.finfo(E4M3).max
+    s = fmax / t.detach().abs().amax().float().clamp(min=1e-12)
+    return (t.float() * s).clamp(-fmax, fmax).to(E4M3), s.reciprocal()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same [m, n] matrix laid out column by column (``torch._scaled_mm``'s second operand)."""
+    return t.t().contiguous().t()
+
+
 class _ChunkedSoftCE(torch.autograd.Function):
     """All K TTT steps' ``sum_k w_k sum_rows rw_k[r] CE(p_k[r], softmax(x_k[r] @ W^T))`` in one autograd node,
     without keeping logits: the gradients are computed in the forward pass chunk by chunk (the fused linear +
@@ -147,14 +178,24 @@ class _ChunkedSoftCE(torch.autograd.Function):
     backward: 3.7 GB for a Llama-3.1-8B-shaped draft at TTT 7). Also returns the per-step unweighted losses and
     weighted argmax agreements (no gradient).
 
-    ``tensors`` holds K inputs x [B, n_k, H], then K label views [B, n_k, Dv], then K row weights [B, n_k]."""
+    ``tensors`` holds K inputs x [B, n_k, H], then K label views [B, n_k, Dv], then K row weights [B, n_k].
+
+    ``fp8``: the three products of each chunk (logits ``x W^T``, ``g W`` and ``g^T x`` for the gradients) in fp8
+    through ``torch._scaled_mm``, one scale per tensor: ``x`` and ``W`` in e4m3 (amax scaling), the logits'
+    gradient ``g`` in e5m2 scaled by its bound (``|g| <= max row weight``, as softmax and the labels lie in [0, 1]),
+    the products accumulated in fp32 (logits and ``g W`` returned in bf16, ``g^T x`` in fp32). Positions are padded
+    with zeros to a multiple of 16 per chunk (zero rows carry zero gradient). torchao's tensorwise recipe for the
+    linear layers works the same way (``eyas.train.fp8``)."""
 
     @staticmethod
     def forward(ctx, weight, step_weights: tuple, chunk: int, compute_dtype, compiled: bool, need_grad: bool,
-                *tensors):
+                fp8: bool, *tensors):
         K = len(step_weights)
         xs, probs_k, rows_k = tensors[:K], tensors[K: 2 * K], tensors[2 * K:]
         cd = compute_dtype
+        if fp8:
+            return _ChunkedSoftCE._forward_fp8(ctx, weight, step_weights, chunk, compiled, need_grad, xs, probs_k,
+                                               rows_k)
         w_c = weight.to(cd)
         kernel = _soft_ce_kernel(compiled)
         acc = torch.promote_types(weight.dtype, torch.float32)     # fp32 accumulation (fp64 in exactness tests)
@@ -191,15 +232,71 @@ class _ChunkedSoftCE(torch.autograd.Function):
         return total, losses, hits
 
     @staticmethod
+    def _forward_fp8(ctx, weight, step_weights, chunk, compiled, need_grad, xs, probs_k, rows_k):
+        """The ``fp8`` path of :meth:`forward` (same outputs and saved tensors)."""
+        K = len(step_weights)
+        kernel = _soft_ce_kernel_fp8(compiled)
+        acc = torch.float32
+        device = weight.device
+        Dv, H = weight.shape
+        w8, w_inv = _to_e4m3(weight)                          # [Dv, H] row-major: w8.t() is [H, Dv] column-major
+        w8_cm = _col_major(w8) if need_grad else None         # [Dv, H] column-major, for g @ W
+        g_fmax = torch.finfo(E5M2).max
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_grad else None
+        losses = torch.zeros(K, dtype=acc, device=device)
+        hits = torch.zeros(K, dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=acc, device=device)
+        grad_xs = []
+        for k, (x, probs, row_w, w_k) in enumerate(zip(xs, probs_k, rows_k, step_weights)):
+            B, T, _ = x.shape
+            grad_rows = row_w * w_k
+            grad_x = torch.empty(B, T, H, dtype=x.dtype, device=device) if need_grad else None
+            loss_k = torch.zeros((), dtype=acc, device=device)
+            for a in range(0, T, chunk):
+                xc = x[:, a: a + chunk]                                         # [B, c, H]
+                c = xc.shape[1]
+                cp = -(-c // FP8_MULTIPLE) * FP8_MULTIPLE                       # c padded to a multiple of 16
+                if cp != c:
+                    xc = torch.nn.functional.pad(xc, (0, 0, 0, cp - c))
+                x8, x_inv = _to_e4m3(xc.reshape(B * cp, H))                     # [B*cp, H] row-major
+                logits = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+                logits = logits.view(B, cp, Dv)[:, :c].to(acc)                  # [B, c, Dv]
+                gr = grad_rows[:, a: a + chunk]
+                g_scale = g_fmax / gr.abs().amax().float().clamp(min=1e-30)     # |g| <= max row weight
+                loss_c, hits_c, g8 = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk], gr, g_scale)
+                loss_k = loss_k + loss_c
+                hits[k] += hits_c
+                if not need_grad:
+                    continue
+                if cp != c:
+                    padded = torch.zeros(B, cp, Dv, dtype=E5M2, device=device)
+                    padded[:, :c] = g8
+                    g8 = padded
+                g8 = g8.reshape(B * cp, Dv)
+                g_inv = g_scale.reciprocal()
+                gx = torch._scaled_mm(g8, w8_cm, scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+                grad_x[:, a: a + chunk] = gx.view(B, cp, H)[:, :c].to(x.dtype)
+                grad_w += torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv,
+                                           out_dtype=acc)
+            losses[k] = loss_k
+            total = total + w_k * loss_k
+            grad_xs.append(grad_x)
+        if need_grad:
+            ctx.save_for_backward(grad_w, *grad_xs)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(losses, hits)
+        return total, losses, hits
+
+    @staticmethod
     def backward(ctx, grad_total, _grad_losses, _grad_hits):
         grad_w, *grad_xs = ctx.saved_tensors
-        return ((grad_w * grad_total).to(ctx.weight_dtype),) + (None,) * 5 + tuple(
+        return ((grad_w * grad_total).to(ctx.weight_dtype),) + (None,) * 6 + tuple(
             g * grad_total.to(g.dtype) for g in grad_xs) + (None,) * (2 * len(grad_xs))
 
 
 def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_head_weight: torch.Tensor,
                    labels: TargetLabels, decay: float, chunk: int = 2048, compiled: bool = False,
-                   denominators: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                   denominators: torch.Tensor | None = None, fp8: bool = False) -> tuple[torch.Tensor, dict]:
     """The same loss as :func:`ttt_loss`, computed from the pre-norm hidden states with the draft lm_head fused
     into the cross-entropy (no [T, Dv] logits kept for backward; chunks of ``chunk`` positions), all TTT steps in
     one autograd node with one lm_head gradient buffer.
@@ -214,6 +311,9 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
         compiled: run the per-chunk elementwise work through ``torch.compile`` (one fused kernel; GPU).
         denominators: [K] the counted positions per step to divide by (default: this batch's,
             :func:`step_counts`); the distributed loop passes the counts of the global batch, all processes summed.
+        fp8: the lm_head's products in fp8, one scale per tensor (``train.fp8_lm_head``; see
+            :class:`_ChunkedSoftCE`); needs ``torch._scaled_mm`` for fp8 on the device (a CUDA GPU of compute
+            capability >= 8.9, or the CPU) and a hidden size and draft vocabulary that are multiples of 16.
     Returns:
         (loss scalar fp32, metrics dict with ``loss_k``, ``acc_k``, ``count_k`` as :func:`ttt_loss`, plus
         ``hits_k``, the count of argmax agreements). The metric values stay tensors on the device (no host sync
@@ -242,8 +342,11 @@ def ttt_loss_fused(step_hidden: list[torch.Tensor], norm: torch.nn.Module, lm_he
     if not steps:
         return torch.zeros((), dtype=acc, device=labels.probs.device), metrics
     need_grad = torch.is_grad_enabled() and (any(x.requires_grad for x in xs) or lm_head_weight.requires_grad)
+    if fp8 and any(d % FP8_MULTIPLE for d in lm_head_weight.shape):
+        raise ValueError(f"fp8 lm_head products need a draft vocabulary and hidden size that are multiples of "
+                         f"{FP8_MULTIPLE}; the lm_head is {list(lm_head_weight.shape)}")
     total, losses, hits = _ChunkedSoftCE.apply(lm_head_weight, tuple(weights), chunk, cd, compiled, need_grad,
-                                               *xs, *probs, *rows)
+                                               fp8, *xs, *probs, *rows)
     for i, k in enumerate(steps):
         metrics[f"loss_{k}"] = losses[i]
         metrics[f"acc_{k}"] = hits[i] / dens[i]
