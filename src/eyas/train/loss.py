@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fp8 import MULTIPLE as FP8_MULTIPLE   # torch._scaled_mm: every dimension of an fp8 operand a multiple of 16
+
 
 @dataclass
 class TargetLabels:
@@ -140,7 +142,6 @@ def _soft_ce_kernel(compiled: bool):
 
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MULTIPLE = 16          # torch._scaled_mm: every dimension of an fp8 operand a multiple of 16
 
 
 def _soft_ce_chunk_fp8(logits: torch.Tensor, probs: torch.Tensor, row_w: torch.Tensor, grad_row_w: torch.Tensor,
@@ -170,6 +171,56 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _chunk_products(weight: torch.Tensor, cd: torch.dtype, acc: torch.dtype, compiled: bool, need_grad: bool):
+    """One chunk's work in the compute dtype ``cd`` (bf16 under autocast): ``f(xc [B, c, H], probs [B, c, Dv],
+    row_w [B, c], grad_rows [B, c]) -> (loss, hits, g W [B, c, H] or None, g^T x [Dv, H] in ``acc`` or None)``."""
+    w_c = weight.to(cd)
+    kernel = _soft_ce_kernel(compiled)
+
+    def products(xc, probs, row_w, grad_rows):
+        xc = xc.to(cd)
+        logits = (xc @ w_c.T).to(acc)                                           # [B, c, Dv]
+        loss, hits, g = kernel(logits, probs, row_w, grad_rows)
+        if not need_grad:
+            return loss, hits, None, None
+        g = g.to(cd)
+        return loss, hits, g @ w_c, (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
+    return products
+
+
+def _chunk_products_fp8(weight: torch.Tensor, acc: torch.dtype, compiled: bool, need_grad: bool):
+    """:func:`_chunk_products` with the three products in fp8 (see :class:`_ChunkedSoftCE`); W is cast once."""
+    kernel = _soft_ce_kernel_fp8(compiled)
+    Dv, H = weight.shape
+    w8, w_inv = _to_e4m3(weight)                          # [Dv, H] row-major: w8.t() is [H, Dv] column-major
+    w8_cm = _col_major(w8) if need_grad else None         # [Dv, H] column-major, for g @ W
+    g_fmax = torch.finfo(E5M2).max
+
+    def products(xc, probs, row_w, grad_rows):
+        B, c, _ = xc.shape
+        cp = -(-c // FP8_MULTIPLE) * FP8_MULTIPLE                               # c padded to a multiple of 16
+        if cp != c:
+            xc = F.pad(xc, (0, 0, 0, cp - c))
+        x8, x_inv = _to_e4m3(xc.reshape(B * cp, H))                             # [B*cp, H] row-major
+        logits = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+        logits = logits.view(B, cp, Dv)[:, :c].to(acc)                          # [B, c, Dv]
+        g_scale = g_fmax / grad_rows.abs().amax().float().clamp(min=1e-30)      # |g| <= max row weight
+        loss, hits, g8 = kernel(logits, probs, row_w, grad_rows, g_scale)
+        if not need_grad:
+            return loss, hits, None, None
+        if cp != c:
+            padded = torch.zeros(B, cp, Dv, dtype=E5M2, device=g8.device)
+            padded[:, :c] = g8
+            g8 = padded
+        g8 = g8.reshape(B * cp, Dv)
+        g_inv = g_scale.reciprocal()
+        gx = torch._scaled_mm(g8, w8_cm, scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+        gw = torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv,
+                              out_dtype=torch.float32)
+        return loss, hits, gx.view(B, cp, H)[:, :c], gw
+    return products
+
+
 class _ChunkedSoftCE(torch.autograd.Function):
     """All K TTT steps' ``sum_k w_k sum_rows rw_k[r] CE(p_k[r], softmax(x_k[r] @ W^T))`` in one autograd node,
     without keeping logits: the gradients are computed in the forward pass chunk by chunk (the fused linear +
@@ -192,13 +243,9 @@ class _ChunkedSoftCE(torch.autograd.Function):
                 fp8: bool, *tensors):
         K = len(step_weights)
         xs, probs_k, rows_k = tensors[:K], tensors[K: 2 * K], tensors[2 * K:]
-        cd = compute_dtype
-        if fp8:
-            return _ChunkedSoftCE._forward_fp8(ctx, weight, step_weights, chunk, compiled, need_grad, xs, probs_k,
-                                               rows_k)
-        w_c = weight.to(cd)
-        kernel = _soft_ce_kernel(compiled)
         acc = torch.promote_types(weight.dtype, torch.float32)     # fp32 accumulation (fp64 in exactness tests)
+        products = (_chunk_products_fp8(weight, acc, compiled, need_grad) if fp8
+                    else _chunk_products(weight, compute_dtype, acc, compiled, need_grad))
         device = weight.device
         grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_grad else None
         losses = torch.zeros(K, dtype=acc, device=device)
@@ -211,73 +258,13 @@ class _ChunkedSoftCE(torch.autograd.Function):
             grad_x = torch.empty(B, T, H, dtype=x.dtype, device=device) if need_grad else None
             loss_k = torch.zeros((), dtype=acc, device=device)
             for a in range(0, T, chunk):
-                xc = x[:, a: a + chunk].to(cd)                                  # [B, c, H]
-                logits = (xc @ w_c.T).to(acc)                                   # [B, c, Dv]
-                loss_c, hits_c, g = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk],
-                                           grad_rows[:, a: a + chunk])
+                loss_c, hits_c, gx, gw = products(x[:, a: a + chunk], probs[:, a: a + chunk],
+                                                  row_w[:, a: a + chunk], grad_rows[:, a: a + chunk])
                 loss_k = loss_k + loss_c
                 hits[k] += hits_c
-                if not need_grad:
-                    continue
-                g = g.to(cd)
-                grad_x[:, a: a + chunk] = (g @ w_c).to(x.dtype)
-                grad_w += (g.flatten(0, 1).T @ xc.flatten(0, 1)).to(acc)
-            losses[k] = loss_k
-            total = total + w_k * loss_k
-            grad_xs.append(grad_x)
-        if need_grad:
-            ctx.save_for_backward(grad_w, *grad_xs)
-        ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(losses, hits)
-        return total, losses, hits
-
-    @staticmethod
-    def _forward_fp8(ctx, weight, step_weights, chunk, compiled, need_grad, xs, probs_k, rows_k):
-        """The ``fp8`` path of :meth:`forward` (same outputs and saved tensors)."""
-        K = len(step_weights)
-        kernel = _soft_ce_kernel_fp8(compiled)
-        acc = torch.float32
-        device = weight.device
-        Dv, H = weight.shape
-        w8, w_inv = _to_e4m3(weight)                          # [Dv, H] row-major: w8.t() is [H, Dv] column-major
-        w8_cm = _col_major(w8) if need_grad else None         # [Dv, H] column-major, for g @ W
-        g_fmax = torch.finfo(E5M2).max
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_grad else None
-        losses = torch.zeros(K, dtype=acc, device=device)
-        hits = torch.zeros(K, dtype=torch.float32, device=device)
-        total = torch.zeros((), dtype=acc, device=device)
-        grad_xs = []
-        for k, (x, probs, row_w, w_k) in enumerate(zip(xs, probs_k, rows_k, step_weights)):
-            B, T, _ = x.shape
-            grad_rows = row_w * w_k
-            grad_x = torch.empty(B, T, H, dtype=x.dtype, device=device) if need_grad else None
-            loss_k = torch.zeros((), dtype=acc, device=device)
-            for a in range(0, T, chunk):
-                xc = x[:, a: a + chunk]                                         # [B, c, H]
-                c = xc.shape[1]
-                cp = -(-c // FP8_MULTIPLE) * FP8_MULTIPLE                       # c padded to a multiple of 16
-                if cp != c:
-                    xc = torch.nn.functional.pad(xc, (0, 0, 0, cp - c))
-                x8, x_inv = _to_e4m3(xc.reshape(B * cp, H))                     # [B*cp, H] row-major
-                logits = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
-                logits = logits.view(B, cp, Dv)[:, :c].to(acc)                  # [B, c, Dv]
-                gr = grad_rows[:, a: a + chunk]
-                g_scale = g_fmax / gr.abs().amax().float().clamp(min=1e-30)     # |g| <= max row weight
-                loss_c, hits_c, g8 = kernel(logits, probs[:, a: a + chunk], row_w[:, a: a + chunk], gr, g_scale)
-                loss_k = loss_k + loss_c
-                hits[k] += hits_c
-                if not need_grad:
-                    continue
-                if cp != c:
-                    padded = torch.zeros(B, cp, Dv, dtype=E5M2, device=device)
-                    padded[:, :c] = g8
-                    g8 = padded
-                g8 = g8.reshape(B * cp, Dv)
-                g_inv = g_scale.reciprocal()
-                gx = torch._scaled_mm(g8, w8_cm, scale_a=g_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
-                grad_x[:, a: a + chunk] = gx.view(B, cp, H)[:, :c].to(x.dtype)
-                grad_w += torch._scaled_mm(g8.t().contiguous(), _col_major(x8), scale_a=g_inv, scale_b=x_inv,
-                                           out_dtype=acc)
+                if need_grad:
+                    grad_x[:, a: a + chunk] = gx.to(x.dtype)
+                    grad_w += gw
             losses[k] = loss_k
             total = total + w_k * loss_k
             grad_xs.append(grad_x)
