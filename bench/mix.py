@@ -539,8 +539,11 @@ def cmd_pack(args) -> None:
             subprocess.run(["xz", "-T0", "-6", "-c", str(conv)], stdout=f, check=True)
         _split_over_limit(xz)                  # parts .00, .01, ...: `cat` them back (bench/mix.sh prev)
     for arm in (args.drafters.split(",") if args.drafters else [best] if best else []):
-        if (runs / arm / "export" / "sglang").exists():      # drafter_<file> for the best, <arm>_<file> if named
-            for f in sorted((runs / arm / "export" / "sglang").glob("*.safetensors")):
+        # drafter_<file> for the best, <arm>_<file> if named; the SGLang folder where there is one, else the vLLM
+        # one (a draft of more than one decoder layer is exported for vLLM only)
+        folders = [runs / arm / "export" / e for e in ("sglang", "vllm") if (runs / arm / "export" / e).exists()]
+        if folders:
+            for f in sorted(folders[0].glob("*.safetensors")):
                 dest = out / (f"{arm}_{f.name}" if args.drafters else f"drafter_{f.name}")
                 shutil.copy(f, dest)
                 _split_over_limit(dest)        # a shard holding one tensor over 16 MiB (a 32K-id lm_head): parts

@@ -288,6 +288,9 @@ class DraftConfig(Section):
     num_attention_heads: int | None = Field(None, gt=0)
     num_key_value_heads: int | None = Field(None, gt=0)
     head_dim: int | None = Field(None, gt=0)
+    num_hidden_layers: int | None = Field(
+        None, gt=0, description="decoder layers (default 1, EAGLE-3's): layers after the first are plain Llama "
+        "layers on the residual stream; vLLM serves more than one, SGLang only one (export.formats: [vllm])")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DraftConfig":
@@ -362,7 +365,8 @@ class TrainConfig(Section):
     wandb_project: str | None = Field(None, description="log to this wandb project (when wandb is installed)")
     init_from: str | None = Field(
         None, description="fine-tune this drafter folder (Eyas train/final or SGLang format); its d2t/t2d and shape "
-        "are kept, except that a larger train.draft.intermediate_size widens its MLP (same outputs at the start)")
+        "are kept, except that a larger train.draft.intermediate_size widens its MLP and a larger "
+        "train.draft.num_hidden_layers adds decoder layers (same outputs at the start)")
     init_vocab: Literal["drafter", "run"] = Field(
         "drafter", description="with init_from, the draft vocabulary trained over: 'drafter' keeps the drafter's "
         "(the run's vocab stage is not used); 'run' moves the drafter onto the run's vocab stage's vocabulary: "
@@ -444,6 +448,15 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    @model_validator(mode="after")
+    def _servable_depth(self) -> "RunConfig":
+        n = self.train.draft.num_hidden_layers
+        if n and n > 1 and "sglang" in self.export.formats:
+            raise ValueError(f"train.draft.num_hidden_layers is {n} and export.formats has sglang: SGLang's EAGLE-3 "
+                             f"model loads one decoder layer only (llama_eagle3.py raises on more); set "
+                             f"export.formats: [vllm], which serves any depth")
+        return self
 
     @field_validator("run_dir")
     @classmethod

@@ -76,8 +76,9 @@ class Dist:
 
         mesh = init_device_mesh(self.device.type, (self.world,))
         draft = getattr(model, "draft", model)        # the loop wraps DraftWithLoss(draft)
-        fully_shard(draft.midlayer, mesh=mesh)
-        register_fsdp_forward_method(draft.midlayer, "ttt_step")   # TTT calls ttt_step, not forward
+        for layer in draft.decoder_layers():
+            fully_shard(layer, mesh=mesh)
+            register_fsdp_forward_method(layer, "ttt_step")   # TTT calls ttt_step, not forward
         fully_shard(model, mesh=mesh)
         return model
 

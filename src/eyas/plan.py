@@ -123,8 +123,8 @@ DISK_READ = 2.0e9
 
 
 def draft_train_flops_per_token(cfg: RunConfig, tcfg: dict, num_aux: int) -> float:
-    """Training FLOPs per token of the draft this config builds: 6 x (fc once + K x (attention projections, MLP
-    and draft lm_head)), attention scores left out (``bench/train_step.py``'s convention)."""
+    """Training FLOPs per token of the draft this config builds: 6 x (fc once + K x (each layer's attention
+    projections and MLP, and the draft lm_head)), attention scores left out (``bench/train_step.py``'s convention)."""
     c = text_config(tcfg)
     Ht = int(c["hidden_size"])
     d = cfg.train.draft
@@ -134,7 +134,8 @@ def draft_train_flops_per_token(cfg: RunConfig, tcfg: dict, num_aux: int) -> flo
     hd = d.head_dim or int(c.get("head_dim") or Ht // int(c["num_attention_heads"]))
     inter = d.intermediate_size or int(c.get("intermediate_size") or 4 * H)
     dv = cfg.vocab.size_for(int(c["vocab_size"]))
-    per_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter + dv * H
+    layer = H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * inter     # a stacked layer: H-wide q/k/v input
+    per_step = layer + H * (nh + 2 * nkv) * hd + (int(d.num_hidden_layers or 1) - 1) * layer + dv * H
     return 6.0 * (num_aux * Ht * H + cfg.train.ttt_steps * per_step)
 
 

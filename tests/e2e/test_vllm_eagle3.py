@@ -171,3 +171,40 @@ def test_shifted_layer_ids_are_caught(smol_run, prompts, measured, tmp_path):
     # accepted tokens are easy ones that the neighbouring layers' states predict as well); trained drafters lose
     # most of their acceptance (vLLM PR 43671: about 45% -> 10%). The check above is what catches it.
     assert vs["acceptance_length"] <= v["acceptance_length"] + TOL
+
+
+@pytest.fixture(scope="session")
+def deep_run(smol_run, tmp_path_factory) -> RunContext:
+    """The trained drafter given a second decoder layer (``train.init_from`` + ``train.draft.num_hidden_layers: 2``,
+    the new layer starting with zero output) and trained two more epochs; exported for vLLM only."""
+    deep = {**DRAFTER, "train": {**DRAFTER["train"], "epochs": 2, "init_from": str(smol_run.run.drafter),
+                                 "draft": {"num_hidden_layers": 2}},
+            "export": {**DRAFTER["export"], "formats": ["vllm"]}}
+    stages = STAGES[: STAGES.index("export") + 1]
+    key = stable_hash([deep, {s: dependencies(s) for s in stages}], 12)
+    cfg_file = tmp_path_factory.mktemp("deep") / "deep.yaml"
+    cfg_file.write_text(json.dumps({"run_dir": str(default_cache_dir() / "drafters" / f"smollm2-deep-{key}"), **deep}))
+    ctx = RunContext(cfg=load_config(cfg_file), log=lambda m: None)
+    init_run_dir(ctx, ["tests/e2e/test_vllm_eagle3.py"])
+    for stage in stages:
+        run_stage(ctx, stage)
+    return ctx
+
+
+def test_two_layer_drafter_served_by_vllm_agrees_with_reference(deep_run, prompts):
+    """vLLM stacks the second layer as Eyas trains it (llama_eagle3.py, ``layer_idx > 0``): its counters on the
+    same prompts agree with the reference decoder running the same two-layer drafter."""
+    target, convs = prompts
+    folder = deep_run.run.export("vllm")
+    drafter = read_drafter(folder)
+    assert drafter.config.draft.num_hidden_layers == 2
+    assert drafter.state["layers.1.mlp.down_proj.weight"].abs().sum() > 0   # the new layer was trained: it counts
+    ref = _reference(deep_run, target, folder, convs)
+    v = _vllm(deep_run, folder, convs, ref["eos"])
+    print(f"two layers: vLLM acceptance {v['acceptance_length']:.3f} per position "
+          f"{v['acceptance_rate_per_position']}; reference {ref['acceptance_length']:.3f} per position {ref['rate']}")
+    assert v["acceptance_length"] > 1.1
+    assert abs(v["acceptance_length"] - ref["acceptance_length"]) <= TOL
+    for a, b in zip(v["acceptance_rate_per_position"], ref["rate"]):
+        assert abs(a - b) <= TOL
+    assert sum(o[0] == r for o, r in zip(v["outputs"], ref["outputs"])) >= len(ref["outputs"]) - 1

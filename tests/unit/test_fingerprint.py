@@ -50,6 +50,7 @@ def test_section_fingerprints_keep_their_format():
         train.pop(k)
     for k in ("fp8", "init_vocab", "fp8_lm_head"):   # added later: left out at their defaults (the behaviour before)
         train.pop(k)
+    train["draft"].pop("num_hidden_layers")
     extract = cfg.extract.model_dump(mode="json")
     for k in ("ignore_disk_space", "labels", "label_topk", "label_mass"):
         extract.pop(k)
@@ -60,13 +61,16 @@ def test_section_fingerprints_keep_their_format():
 
 
 def test_fields_added_later_keep_older_fingerprints_until_set():
-    """train.fp8, train.init_vocab, train.fp8_lm_head and extract.labels (with label_topk, label_mass) came after stores and checkpoints
+    """train.fp8, train.init_vocab, train.fp8_lm_head, train.draft.num_hidden_layers and extract.labels (with label_topk, label_mass) came after stores and checkpoints
     were made: at their defaults they are not hashed, so those stay current; set, they change the fingerprint as any
     field."""
     cfg = RunConfig.model_validate(BASE)
     assert stage_fingerprint(_with(cfg, "train", fp8="tensorwise"), "train") != stage_fingerprint(cfg, "train")
     assert stage_fingerprint(_with(cfg, "train", init_vocab="run"), "train") != stage_fingerprint(cfg, "train")
     assert stage_fingerprint(_with(cfg, "train", fp8_lm_head=True), "train") != stage_fingerprint(cfg, "train")
+    deeper = cfg.model_copy(update={"train": cfg.train.model_copy(update={"draft": cfg.train.draft.model_copy(
+        update={"num_hidden_layers": 2})})})
+    assert stage_fingerprint(deeper, "train") != stage_fingerprint(cfg, "train")
     topk = _with(cfg, "extract", labels="topk")
     assert stage_fingerprint(topk, "extract") != stage_fingerprint(cfg, "extract")
     assert stage_fingerprint(_with(topk, "extract", label_topk=64), "extract") != stage_fingerprint(topk, "extract")

@@ -4,7 +4,9 @@ convention (FIELD_NOTES "Checkpoints the engines load").
 The draft model's attribute names (:class:`~eyas.model.eagle3.Eagle3DraftModel`) are SGLang's weight names
 (python/sglang/srt/models/llama_eagle3.py), and an Eyas drafter folder (:mod:`eyas.drafter`) uses them too.
 vLLM's speculators format names the decoder layer ``layers.0.`` instead of ``midlayer.``
-(vllm/model_executor/models/llama_eagle3.py maps ``midlayer.`` to the same parameters). ``embed_tokens.weight``
+(vllm/model_executor/models/llama_eagle3.py maps ``midlayer.`` to the same parameters); a draft of more than one
+decoder layer has its stacked layers under ``layers.1.``, ``layers.2.``, ... by vLLM's names in every folder (SGLang
+loads one layer only: :func:`engine_problems`). ``embed_tokens.weight``
 belongs only to a draft with its own embedding table (:attr:`~eyas.model.eagle3.Eagle3Config.own_embedding`);
 otherwise the engines share the target's. Both engines read ``d2t`` as offsets and ignore ``t2d``.
 
@@ -40,7 +42,8 @@ ENGINES: dict[str, Engine] = {
     "vllm": Engine("layers.0.", ("layers.0.", "midlayer."), "vLLM's weight loader raises on it", "hf_index"),
 }
 
-#: the drafter's tensors, model (= SGLang) names; ``embed_tokens.weight`` is added for a draft with its own table
+#: the one-layer drafter's tensors, model (= SGLang) names; ``embed_tokens.weight`` is added for a draft with its
+#: own table, a stacked layer's :func:`stacked_layer_keys` for a deeper one
 DRAFT_KEYS = frozenset(
     [f"midlayer.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
     + [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -49,13 +52,33 @@ DRAFT_KEYS = frozenset(
 )
 EMBED = "embed_tokens.weight"
 
+#: a stacked layer's tensors after its ``layers.i.`` prefix (``hidden_norm`` unused: vLLM builds it in every layer)
+STACKED = ([f"self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+           + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+           + [f"{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")])
+
+
+def stacked_layer_keys(cfg: Eagle3Config) -> frozenset[str]:
+    """``layers.i.*`` for the stacked layers i = 1 .. num_hidden_layers - 1 (empty for a one-layer draft)."""
+    return frozenset(f"layers.{i}.{n}" for i in range(1, cfg.num_hidden_layers) for n in STACKED)
+
+
+def engine_problems(cfg: Eagle3Config, engine: str) -> list[str]:
+    """Why ``engine`` cannot load a draft shaped ``cfg`` at all (empty when it can): SGLang's llama_eagle3.py raises
+    ``EAGLE3 currently only supports 1 layer`` on ``num_hidden_layers != 1``."""
+    if engine == "sglang" and cfg.num_hidden_layers != 1:
+        return [f"the draft has {cfg.num_hidden_layers} decoder layers and SGLang's EAGLE-3 model loads exactly one "
+                f"(llama_eagle3.py raises 'EAGLE3 currently only supports 1 layer'); export it for vllm only"]
+    return []
+
 
 def draft_keys(cfg: Eagle3Config) -> frozenset[str]:
     """:data:`DRAFT_KEYS`, plus ``embed_tokens.weight`` for a draft with its own embedding table, less ``d2t`` for a
     draft whose vocabulary is the target's: vLLM then builds no d2t parameter (llama_eagle3.py:
     ``draft_id_to_target_id = None`` when ``draft_vocab_size`` equals the target vocabulary) and its weight loader
     raises on one; SGLang without d2t uses the draft logits as target ids (no hot-token map), the same thing."""
-    keys = DRAFT_KEYS | {EMBED} if cfg.own_embedding else DRAFT_KEYS
+    keys = DRAFT_KEYS | stacked_layer_keys(cfg)
+    keys = keys | {EMBED} if cfg.own_embedding else keys
     return keys - {"d2t"} if full_vocabulary(cfg) else keys
 
 
@@ -109,6 +132,16 @@ def check_state_shapes(state: dict[str, torch.Tensor], cfg: Eagle3Config) -> lis
         "midlayer.mlp.down_proj.weight": (H, cfg.intermediate_size),
         "d2t": (Dv,), "t2d": (V,), EMBED: (V, H),
     }
+    for i in range(1, cfg.num_hidden_layers):
+        a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        expect.update({
+            a + "q_proj.weight": (cfg.num_attention_heads * cfg.head_dim, H),
+            a + "k_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, H),
+            a + "v_proj.weight": (cfg.num_key_value_heads * cfg.head_dim, H),
+            a + "o_proj.weight": (H, cfg.num_attention_heads * cfg.head_dim),
+            m + "gate_proj.weight": (cfg.intermediate_size, H), m + "up_proj.weight": (cfg.intermediate_size, H),
+            m + "down_proj.weight": (H, cfg.intermediate_size),
+        })
     for k, shape in expect.items():
         if k in state and tuple(state[k].shape) != shape:
             problems.append(f"{k} has shape {tuple(state[k].shape)}, expected {shape}")
@@ -123,7 +156,8 @@ def check_keys(state: dict[str, torch.Tensor], cfg: Eagle3Config, engine: str) -
     """Problems with an ``engine``-named state dict as that engine would load it: missing and unknown names,
     shapes, dtypes. Empty when fine."""
     expected = engine_keys(cfg, engine)
-    problems = [f"missing {k}" for k in sorted(expected - set(state))]
+    problems = engine_problems(cfg, engine)
+    problems += [f"missing {k}" for k in sorted(expected - set(state))]
     problems += [f"unknown key {k} ({ENGINES[engine].on_unknown})" for k in sorted(set(state) - expected)]
     return problems + check_state_shapes({model_name(k): v for k, v in state.items()}, cfg)
 

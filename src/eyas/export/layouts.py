@@ -68,6 +68,7 @@ def draft_config_from(cfg: dict, layer: dict, fc_in: int | None = None) -> Eagle
         draft_vocab_size=int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or layer["vocab_size"]),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), rope_parameters=rp,
+        num_hidden_layers=int(layer.get("num_hidden_layers") or 1),
     )
 
 
@@ -96,7 +97,7 @@ def rope_fields(cfg: Eagle3Config) -> dict:
 
 
 def llama_shape(cfg: Eagle3Config) -> dict:
-    """The one-layer Llama shape both layouts write first (``sglang``: top level; ``speculators``:
+    """The draft's Llama shape both layouts write first (``sglang``: top level; ``speculators``:
     ``transformer_layer_config``)."""
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -106,7 +107,7 @@ def llama_shape(cfg: Eagle3Config) -> dict:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size,

@@ -6,6 +6,9 @@ Source: EAGLE-3 (arXiv 2503.01840); layout and weight names as SGLang loads them
     fc        Linear(3*Ht -> H, no bias)     fuses the three aux hidden states of the target
     midlayer  one decoder layer whose attention input is concat(input_layernorm(emb), hidden_norm(h)) [.., 2H];
               the residual adds the un-normalised h (norm_before_residual = False); post-attention norm; SwiGLU MLP
+    layers.i  (i = 1 .. num_hidden_layers - 1; none by default) plain pre-norm Llama decoder layers on the H-wide
+              residual stream after midlayer, as vLLM stacks them (llama_eagle3.py ``LlamaDecoderLayer`` with
+              ``layer_idx > 0``: no embedding input, the residual carried on); SGLang loads one layer only
     norm      RMSNorm before the draft lm_head
     lm_head   Linear(H -> draft_vocab), trained, not tied
     embed_tokens  the target's embedding table, frozen and never exported (engines share the target's)
@@ -17,7 +20,8 @@ TTT (FIELD_NOTES, SpecForge): step 0 takes at position t the fused feature of ta
 of token t+1, at position id t; the layer's pre-norm output h is fed back as step k+1's feature, with the token
 embeddings shifted one more position and position ids t+k. At step k a query at t attends to the step-0 keys at
 positions <= t (causal prefix) plus its own keys of steps 1..k at the same position (a diagonal per step): exactly
-what the chain at anchor t sees when drafting at inference.
+what the chain at anchor t sees when drafting at inference. Every stacked layer has its own keys under the same mask;
+the fed-back h is the last layer's pre-norm output (vLLM's ``hidden_prenorm``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     num_aux_layers: int = 3
+    num_hidden_layers: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,12 +125,13 @@ class Eagle3Attention(nn.Module):
     :meth:`Eagle3DecoderLayer.ttt_step` and the kernel named by ``backend`` (:data:`eyas.model.attention.ATTENTION`);
     :meth:`decode` is inference with a key/value cache (plain causal)."""
 
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, input_size: int | None = None):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        d = input_size or 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.backend = "sdpa"
 
@@ -140,10 +146,12 @@ class Eagle3Attention(nn.Module):
         B, _, T, _ = o.shape
         return _linear(o.transpose(1, 2).reshape(B, T, self.nh * self.hd), self.o_proj, weights, "o")
 
-    def decode(self, x: torch.Tensor, cos, sin, kv: "KVCache") -> torch.Tensor:
-        """Inference: x [B, S, 2H] new entries after ``kv.length`` cached ones; causal over cache + new."""
+    def decode(self, x: torch.Tensor, cos, sin, kv: "KVCache", heads: slice) -> torch.Tensor:
+        """Inference: x [B, S, 2H] (H for a stacked layer) new entries after ``kv.length`` cached ones; causal over
+        cache + new. This layer's keys and values are ``kv``'s heads ``heads``; the new ones are staged in ``kv``
+        (:meth:`KVCache.stage`) and appended with every layer's at once (:meth:`KVCache.commit`)."""
         q, k, v = self._qkv(x, cos, sin)
-        k_all, v_all = kv.append(k, v)
+        k_all, v_all = kv.stage(k, v, heads)
         S, L = q.shape[2], k_all.shape[2]
         mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(diagonal=L - S)
         o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.nh != self.nkv)
@@ -151,20 +159,34 @@ class Eagle3Attention(nn.Module):
 
 
 class KVCache:
-    """The draft's key/value cache for decoding: [B, nkv, L, hd] tensors, grown by :meth:`append`."""
+    """The draft's key/value cache for decoding: ``k``, ``v`` [B, layers * nkv, L, hd], every decoder layer's heads
+    side by side (layer i's at ``i * nkv .. (i+1) * nkv``), so that one entry along L holds a position for every
+    layer and a decoder can expand, slice and concatenate entries without knowing the depth. A decode step stages
+    each layer's new keys (:meth:`stage`) and appends them together (:meth:`commit`)."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self._new: list = []
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def append(self, k, v):
+    def stage(self, k, v, heads: slice):
+        """One layer's new entries k, v [B, nkv, S, hd]; returns that layer's cached + new keys and values."""
+        self._new.append((k, v))
+        if self.k is None:
+            return k, v
+        return torch.cat([self.k[:, heads], k], dim=2), torch.cat([self.v[:, heads], v], dim=2)
+
+    def commit(self) -> None:
+        """Append the staged layers' entries (in layer order) as one entry per position."""
+        k = torch.cat([k for k, _ in self._new], dim=1)
+        v = torch.cat([v for _, v in self._new], dim=1)
+        self._new = []
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
 
 
 class Eagle3MLP(nn.Module):
@@ -190,10 +212,11 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Eagle3MLP(cfg)
 
-    def forward(self, emb, hidden, cos, sin, kv: "KVCache") -> torch.Tensor:
-        """Inference: emb, hidden [B, S, H] -> new hidden [B, S, H] (pre-norm), appending S entries to ``kv``."""
+    def forward(self, emb, hidden, cos, sin, kv: "KVCache", heads: slice) -> torch.Tensor:
+        """Inference: emb, hidden [B, S, H] -> new hidden [B, S, H] (pre-norm); ``kv``: the cache, this layer's
+        heads at ``heads`` (:meth:`Eagle3Attention.decode`)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
-        h = hidden + self.self_attn.decode(x, cos, sin, kv)
+        h = hidden + self.self_attn.decode(x, cos, sin, kv, heads)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def ttt_weights(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
@@ -233,6 +256,41 @@ class Eagle3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h), weights)
 
 
+class Eagle3StackedLayer(nn.Module):
+    """``layers.i`` (i >= 1): a plain pre-norm Llama decoder layer on the H-wide residual stream, as vLLM runs the
+    layers after the first (llama_eagle3.py ``LlamaDecoderLayer.forward`` with ``layer_idx > 0``). ``hidden_norm``
+    is there only because vLLM builds one in every layer and requires every parameter from the checkpoint; it is
+    unused and frozen at ones."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm.weight.requires_grad_(False)
+        self.self_attn = Eagle3Attention(cfg, input_size=cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def forward(self, hidden, cos, sin, kv: "KVCache", heads: slice) -> torch.Tensor:
+        """Inference: hidden [B, S, H] (the previous layer's pre-norm output) -> [B, S, H]; ``kv``: the cache,
+        this layer's key/value heads at ``heads`` (:meth:`Eagle3Attention.decode`)."""
+        h = hidden + self.self_attn.decode(self.input_layernorm(hidden), cos, sin, kv, heads)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    ttt_weights = Eagle3DecoderLayer.ttt_weights
+
+    def ttt_step(self, hidden, cos, sin, ks: list, vs: list, num_steps: int, weights: dict | None = None):
+        """Training: one TTT step of this layer; as :meth:`Eagle3DecoderLayer.ttt_step` without the embedding."""
+        q, k, v = self.ttt_in(hidden, cos, sin, weights)
+        o = ATTENTION[self.self_attn.backend](q, ks + [k], vs + [v], num_steps)      # [B, nh, T, hd]
+        return self.ttt_out(o, hidden, weights), k, v
+
+    def ttt_in(self, hidden, cos, sin, weights: dict | None = None):
+        return self.self_attn._qkv(self.input_layernorm(hidden), cos, sin, weights)
+
+    ttt_out = Eagle3DecoderLayer.ttt_out
+
+
 class Eagle3DraftModel(nn.Module):
     """The EAGLE-3 drafter. Attribute names equal the served checkpoint's keys (export is a table)."""
 
@@ -243,6 +301,9 @@ class Eagle3DraftModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(cfg.own_embedding)  # frozen copy of the target's when shared
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
+        # layers.1 .. layers.{n-1}: vLLM's names for the stacked layers (ModuleDict keys, so the state dict's names
+        # are the served checkpoint's; midlayer is vLLM's layers.0)
+        self.layers = nn.ModuleDict({str(i): Eagle3StackedLayer(cfg) for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
@@ -256,6 +317,10 @@ class Eagle3DraftModel(nn.Module):
         own = self.config.own_embedding
         return {k: v for k, v in self.state_dict().items()
                 if (own or not k.startswith("embed_tokens.")) and not k.startswith("rotary.")}
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """midlayer, then the stacked layers in order."""
+        return [self.midlayer, *self.layers.values()]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Dv] from a pre-norm hidden state [.., H]."""
@@ -275,19 +340,22 @@ class Eagle3DraftModel(nn.Module):
         hidden = self.fc(aux)                                    # [B, T, H]
         positions = torch.arange(T, device=input_ids.device)
         ids = _shift_left(input_ids)                             # step 0 embeds token t+1
-        ks: list = []
-        vs: list = []
+        layers = self.decoder_layers()
+        ks: list = [[] for _ in layers]                          # per layer, the keys of steps 0..k-1
+        vs: list = [[] for _ in layers]
         outs = []
-        weights = self.midlayer.ttt_weights(_autocast_cast_dtype(self.midlayer.self_attn.q_proj.weight))
+        weights = [layer.ttt_weights(_autocast_cast_dtype(layer.self_attn.q_proj.weight)) for layer in layers]
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for k in range(ttt_steps):
             cos, sin = self.rotary(positions + k)
             emb = self.embed_tokens(ids)                         # [B, T, H]
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                hidden, key, value = checkpoint(self.midlayer.ttt_step, emb, hidden, cos, sin, ks, vs, ttt_steps,
-                                                weights, use_reentrant=False)
-            else:
-                hidden, key, value = self.midlayer.ttt_step(emb, hidden, cos, sin, ks, vs, ttt_steps, weights)
-            ks, vs = ks + [key], vs + [value]
+            for i, layer in enumerate(layers):
+                args = ((emb,) if i == 0 else ()) + (hidden, cos, sin, ks[i], vs[i], ttt_steps, weights[i])
+                if recompute:
+                    hidden, key, value = checkpoint(layer.ttt_step, *args, use_reentrant=False)
+                else:
+                    hidden, key, value = layer.ttt_step(*args)
+                ks[i], vs[i] = ks[i] + [key], vs[i] + [value]
             outs.append(hidden)
             ids = _shift_left(ids)                               # step k+1 embeds token t+2+k
         return outs
@@ -298,14 +366,16 @@ class Eagle3DraftModel(nn.Module):
         Raises ``KeyError`` for an unknown name."""
         if backend not in ATTENTION:
             raise KeyError(f"unknown attention backend {backend!r}; known: {sorted(ATTENTION)}")
-        self.midlayer.self_attn.backend = backend
+        for layer in self.decoder_layers():
+            layer.self_attn.backend = backend
 
     def compile_ttt(self) -> None:
         """``torch.compile`` the per-step parts around attention (:meth:`Eagle3DecoderLayer.ttt_in` and
         ``ttt_out``): norms, RoPE and the MLP's elementwise work fuse; attention keeps its own kernel. The module
         tree and state dict are unchanged."""
-        self.midlayer.ttt_in = torch.compile(self.midlayer.ttt_in)
-        self.midlayer.ttt_out = torch.compile(self.midlayer.ttt_out)
+        for layer in self.decoder_layers():
+            layer.ttt_in = torch.compile(layer.ttt_in)
+            layer.ttt_out = torch.compile(layer.ttt_out)
 
     def decode_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                     kv: KVCache, from_target: bool) -> torch.Tensor:
@@ -315,7 +385,12 @@ class Eagle3DraftModel(nn.Module):
         if from_target:
             hidden = self.fc(hidden)
         cos, sin = self.rotary(positions)
-        return self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv)
+        nkv = self.config.num_key_value_heads
+        hidden = self.midlayer(self.embed_tokens(input_ids), hidden, cos, sin, kv, slice(0, nkv))
+        for i, layer in enumerate(self.layers.values(), start=1):
+            hidden = layer(hidden, cos, sin, kv, slice(i * nkv, (i + 1) * nkv))
+        kv.commit()
+        return hidden
 
 
 def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) -> Eagle3DraftModel:
@@ -345,6 +420,39 @@ def widen_mlp(model: Eagle3DraftModel, intermediate_size: int, seed: int = 0) ->
     state[f"{mlp}down_proj.weight"] = torch.cat([down, down.new_zeros(H, extra)], dim=1)
     wide.load_state_dict(state)   # embed_tokens' requires_grad follows the config (own_embedding), as before
     return wide.train(model.training)
+
+
+def deepen(model: Eagle3DraftModel, num_hidden_layers: int, seed: int = 0) -> Eagle3DraftModel:
+    """A copy of ``model`` with ``num_hidden_layers`` decoder layers, computing the same function.
+
+    The drafter's layers keep their weights; each new stacked layer (:class:`Eagle3StackedLayer`, appended after
+    the last) gets q/k/v and gate/up weights drawn as ``nn.Linear`` draws them (seeded) and an ``o_proj`` and
+    ``down_proj`` of zeros, so it adds nothing to the residual stream and the deeper draft's outputs equal the
+    original's exactly until training moves those two (a zero-initialised residual branch, as ``widen_mlp``).
+    Used by ``train.init_from`` with a larger ``train.draft.num_hidden_layers``: more sequential computation per
+    drafted token, started from what a drafter already knows. vLLM loads it (``num_hidden_layers`` in config.json);
+    SGLang's llama_eagle3.py raises on more than one layer.
+
+    Raises ``ValueError`` when ``num_hidden_layers`` is smaller than the model's."""
+    old = model.config
+    if num_hidden_layers < old.num_hidden_layers:
+        raise ValueError(f"num_hidden_layers {num_hidden_layers} is smaller than the drafter's "
+                         f"{old.num_hidden_layers}: layers can be added, not removed")
+    deep = Eagle3DraftModel(replace(old, num_hidden_layers=num_hidden_layers))
+    state = deep.state_dict()
+    state.update(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(old.num_hidden_layers, num_hidden_layers):
+        for name, w in deep.layers[str(i)].state_dict().items():
+            key = f"layers.{i}.{name}"
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                state[key] = torch.zeros_like(w)
+            elif name.endswith("proj.weight"):
+                bound = 1 / w.shape[1] ** 0.5
+                state[key] = ((torch.rand(w.shape, generator=gen) * 2 - 1) * bound).to(w.dtype)
+    deep.load_state_dict(state)
+    deep.gradient_checkpointing = model.gradient_checkpointing
+    return deep.train(model.training)
 
 
 @dataclass

@@ -78,7 +78,7 @@ _NEUTRAL = {
 # behaviour before the field existed), so a store or a training run made before is still current. A field set to
 # anything else is hashed, and changes the fingerprint as any other.
 # Dotted names reach into nested sections, as in _NEUTRAL.
-_OMITTED_AT = {"train": {"fp8": "off", "init_vocab": "drafter", "fp8_lm_head": False},
+_OMITTED_AT = {"train": {"fp8": "off", "init_vocab": "drafter", "fp8_lm_head": False, "draft.num_hidden_layers": None},
                "extract": {"labels": "hidden", "label_topk": 32, "label_mass": 0.99},
                "prepare": {"self_prompts.system_prompts": None}}
 

@@ -24,7 +24,7 @@ from ..data.vocab import load_vocab
 from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..errors import EyasError, StoreError
 from ..families import text_config
-from ..model.eagle3 import remap_draft_vocab, widen_mlp
+from ..model.eagle3 import deepen, remap_draft_vocab, widen_mlp
 from ..records import read_tokenized
 from ..store import HiddenStateStore
 from ..store.header import expected_header
@@ -175,25 +175,34 @@ def _check_label_vocab(ctx: RunContext, model, header) -> None:
 
 def _grow_to_asked_shape(model, cfg, log):
     """``train.draft`` beside ``train.init_from``: a field equal to the drafter's is fine; a larger
-    ``intermediate_size`` widens the MLP function-preservingly (:func:`eyas.model.eagle3.widen_mlp`); any other
-    difference is refused (a user-given value is never replaced silently).
+    ``intermediate_size`` widens the MLP function-preservingly (:func:`eyas.model.eagle3.widen_mlp`), a larger
+    ``num_hidden_layers`` adds layers likewise (:func:`eyas.model.eagle3.deepen`); any other difference is refused
+    (a user-given value is never replaced silently).
 
     Raises :class:`EyasError` naming the fields that differ."""
     asked = {k: v for k, v in cfg.draft.model_dump().items() if v is not None}
     have = model.config.to_dict()
     wider = asked.pop("intermediate_size", have["intermediate_size"])
+    deeper = asked.pop("num_hidden_layers", have["num_hidden_layers"])
     differ = {k: (v, have[k]) for k, v in asked.items() if have.get(k) != v}
     if wider < have["intermediate_size"]:
         differ["intermediate_size"] = (wider, have["intermediate_size"])
+    if deeper < have["num_hidden_layers"]:
+        differ["num_hidden_layers"] = (deeper, have["num_hidden_layers"])
     if differ:
         raise EyasError("train.init_from: " + str(cfg.init_from) + " has another draft shape than train.draft asks: "
                         + "; ".join(f"train.draft.{k}: {v} asked, the drafter has {h}" for k, (v, h) in differ.items())
-                        + ". Fine-tuning keeps a drafter's shape, except that intermediate_size may grow (the MLP "
-                        "is widened, its outputs unchanged at the start); unset these fields or train from scratch")
+                        + ". Fine-tuning keeps a drafter's shape, except that intermediate_size and num_hidden_layers "
+                        "may grow (the MLP is widened or layers added, its outputs unchanged at the start); unset "
+                        "these fields or train from scratch")
     if wider > have["intermediate_size"]:
         log(f"[eyas] train: widening the drafter's MLP from {have['intermediate_size']} to {wider} channels "
             f"(train.draft.intermediate_size; new channels start with zero output, so it starts as it was)")
         model = widen_mlp(model, wider, cfg.seed)
+    if deeper > have["num_hidden_layers"]:
+        log(f"[eyas] train: adding decoder layers to the drafter, {have['num_hidden_layers']} -> {deeper} "
+            f"(train.draft.num_hidden_layers; each new layer starts with zero output, so it starts as it was)")
+        model = deepen(model, deeper, cfg.seed)
     return model
 
 

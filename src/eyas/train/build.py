@@ -39,6 +39,7 @@ def draft_config_for(target_cfg: dict, draft: DraftConfig, draft_vocab_size: int
         max_position_embeddings=dflt["max_position_embeddings"],
         rope_parameters=rope_parameters(target_cfg),
         num_aux_layers=num_aux_layers,
+        num_hidden_layers=draft.num_hidden_layers or 1,
     )
 
 
