@@ -104,7 +104,7 @@ case $step in
     # (the commit `parts` archived, so that uncommitted edits in the working tree never reach the device's run)
     rm -rf /root/work && mkdir -p /root/work && tar xJf .gpu/p3/code.tar.xz -C /root/work && ln -sfn /root/data /root/work/.hdata
     echo "code: commit $(cat .gpu/p3/code.rev)"
-    if [ -d bench/results/headline/drafter ]; then
+    if [ -f bench/results/headline/drafter/config.json ]; then   # (a folder moved out here may stay there, empty)
       rm -rf /root/drafter0 && cp -r bench/results/headline/drafter /root/drafter0
     fi
     [ -d /root/drafter0 ] || echo "note: no /root/drafter0 (bench/mix.sh s d stashes it): train.init_from=/root/drafter0 will fail" >&2
