@@ -12,7 +12,8 @@ without the rest of Eyas's dependencies.
 
 FLOPs counted per token (the issue's convention): 6 x the trainable parameters each token touches (fc once; the
 decoder layer, MLP and draft lm_head once per TTT step) plus attention, 3 x 4 x (keys seen) x nh x hd per step
-(keys seen = (T+1)/2 causal + k diagonal). The target lm_head (no gradient) is not counted.
+(keys seen = (T+1)/2 causal + k diagonal), per decoder layer (``--layers``: train.draft.num_hidden_layers). The
+target lm_head (no gradient) is not counted.
 """
 
 from __future__ import annotations
@@ -43,13 +44,16 @@ TINY = dict(hidden_size=64, intermediate_size=150, num_attention_heads=4, num_ke
 
 
 def flops_per_token(cfg: Eagle3Config, T: int, K: int) -> tuple[float, float]:
-    """(dense, attention) training FLOPs per token of one step."""
+    """(dense, attention) training FLOPs per token of one step (forward + backward: 6 per weight, 3x the
+    forward's 4 per attended key and head dim). midlayer's q/k/v read 2H (embedding and feature), each of the
+    ``num_hidden_layers - 1`` stacked layers' read H; every layer attends over its own keys."""
     H, I, Ht = cfg.hidden_size, cfg.intermediate_size, cfg.target_hidden_size
-    qkv_o = 2 * H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim \
-        + cfg.num_attention_heads * cfg.head_dim * H
-    per_step = qkv_o + 3 * H * I + cfg.draft_vocab_size * H
+    qkv_width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    o_and_mlp = cfg.num_attention_heads * cfg.head_dim * H + 3 * H * I
+    L = cfg.num_hidden_layers
+    per_step = 2 * H * qkv_width + o_and_mlp + (L - 1) * (H * qkv_width + o_and_mlp) + cfg.draft_vocab_size * H
     dense = 6 * (cfg.num_aux_layers * Ht * H + K * per_step)
-    attn = sum(3 * 4 * ((T + 1) / 2 + k) * cfg.num_attention_heads * cfg.head_dim for k in range(K))
+    attn = L * sum(3 * 4 * ((T + 1) / 2 + k) * cfg.num_attention_heads * cfg.head_dim for k in range(K))
     return float(dense), float(attn)
 
 
@@ -178,7 +182,7 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
         raise RuntimeError(f"non-finite loss {float(loss)} / grad norm {float(gn)}")
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
-    out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "attention": attention,
+    out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "layers": cfg.num_hidden_layers, "attention": attention,
            "compile_layer": compile_layer, "fp8": conv.recipe, **({"fp8_fallback": conv.fallback} if conv.fallback
                                                                   else {}),
            "fp8_lm_head": head_fp8,
@@ -231,6 +235,8 @@ def main() -> None:
                     help="train.fp8_lm_head settings to time (the draft lm_head's products in fp8 in the fused loss)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1],
                     help="sequences a step (each --seq long): Eyas's token budget is batch x seq")
+    ap.add_argument("--layers", type=int, nargs="+", default=[1],
+                    help="train.draft.num_hidden_layers settings to time (decoder layers of the draft)")
     ap.add_argument("--profile", type=Path, help="write a CUDA kernel table of 2 steps of the first configuration")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -242,10 +248,11 @@ def main() -> None:
     compiles = {"none": [False], "layer": [True], "both": [False, True]}[args.compile]
     rows, t0 = [], time.time()
     shapes = ["tiny"] if args.tiny else args.shape
-    combos = [(s, a, c, pd, f8, b, hd == "on") for s in shapes for a in args.attention for c in compiles
-              for pd in args.param_dtype for f8 in args.fp8 for b in args.batch for hd in args.fp8_lm_head]
-    for shape, attention, comp, pdt, f8, bsz, head8 in combos:
-        cfg = Eagle3Config(**SHAPES[shape])
+    combos = [(s, a, c, pd, f8, b, hd == "on", nl) for s in shapes for a in args.attention for c in compiles
+              for pd in args.param_dtype for f8 in args.fp8 for b in args.batch for hd in args.fp8_lm_head
+              for nl in args.layers]
+    for shape, attention, comp, pdt, f8, bsz, head8, layers in combos:
+        cfg = Eagle3Config(**SHAPES[shape], num_hidden_layers=layers)
         for T in args.seq:
             if attention == "sdpa" and T > 8192:
                 continue  # the SDPA backend's dense [T, K*T] mask is meant for short sequences
@@ -257,7 +264,8 @@ def main() -> None:
                             pdt, args.profile if not rows else None, batch=bsz, shape_name=shape, fp8=f8,
                             fp8_lm_head=head8)
             except Exception as e:  # an OOM or a compile failure is a result too
-                r = {"shape": shape, "seq": T, "batch": bsz, "fp8": f8, "fp8_lm_head": head8, "attention": attention,
+                r = {"shape": shape, "seq": T, "batch": bsz, "layers": layers, "fp8": f8, "fp8_lm_head": head8,
+                     "attention": attention,
                      "compile_layer": comp,
                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 if device.type == "cuda":
@@ -268,15 +276,16 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if args.out:
                 args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    print("\nattention compile fp8        head8 params   seq batch  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
+    print("\nattention compile fp8        head8 params   seq batch layers  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
     for r in rows:
         if "error" in r:
-            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['seq']:6} {r['batch']:3}  ERROR "
+            print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['seq']:6} {r['batch']:3} "
+                  f"{r.get('layers', 1):2}  ERROR "
                   f"{r['error'][:80]}")
         else:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {str(r.get('fp8_lm_head', False)):5} "
                   f"{r['param_dtype']:6} {r['seq']:6} "
-                  f"{r['batch']:5} "
+                  f"{r['batch']:5} {r.get('layers', 1):6} "
                   f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")
 
