@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .config import load_config
 from .errors import EyasError
@@ -31,7 +32,16 @@ app = typer.Typer(
         "(`eyas show-config demo > my.yaml`) and point it at your target and data."
     ),
 )
-console = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that prints text as given. Messages and table cells carry user data (paths, list settings such as
+    ``export.formats: [vllm]``, tensor shapes such as ``[B, T]``) that Rich's markup would read as style tags and
+    drop; styles are given as arguments instead."""
+    return Console(stderr=stderr, markup=False)
+
+
+console = _console(stderr=True)
 
 CONFIG_HELP = "Run config: a YAML file, or 'demo' for the embedded demo."
 OVERRIDES_HELP = "Overrides of single fields, as key.sub=value (value parsed as YAML)."
@@ -52,7 +62,7 @@ def _writing(ctx: RunContext):
 
 
 def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {e}", highlight=False)
+    console.print(Text.assemble(("error:", "bold red"), " ", str(e)), highlight=False)
     raise typer.Exit(code=2)
 
 
@@ -128,9 +138,9 @@ def _export_command():
         except (EyasError, OSError) as e:
             _fail(e)
         asked = engine or rep.engines
-        Console().print(rep.to_text(), markup=False, highlight=False)
+        _console().print(rep.to_text(), markup=False, highlight=False)
         ok = rep.ok_for(asked)
-        Console().print(f"{'OK' if ok else 'FAIL'} for {asked if asked != 'both' else 'SGLang and vLLM'}"
+        _console().print(f"{'OK' if ok else 'FAIL'} for {asked if asked != 'both' else 'SGLang and vLLM'}"
                         + ("" if engine else " (the engines this layout is for; --engine to choose)"),
                         markup=False, highlight=False)
         raise typer.Exit(code=0 if ok else 1)
@@ -244,9 +254,9 @@ def doctor(
 
 def _print_doctor(report, as_json: bool) -> None:
     if as_json:
-        Console().print_json(data=report.to_json(limit=10**9))
+        _console().print_json(data=report.to_json(limit=10**9))
         return
-    out = Console()
+    out = _console()
     counts = report.counts()
     out.print(f"store {report.store}: {report.samples_ok} valid samples of {report.samples_listed} listed; "
               + ", ".join(f"{k} {v}" for k, v in counts.items()), highlight=False)
@@ -280,7 +290,7 @@ def plan(
     except EyasError as e:
         _fail(e)
     if as_json:
-        Console().print_json(data=p.to_json())
+        _console().print_json(data=p.to_json())
         return
     t = Table(title=f"Eyas plan: {config}", show_header=True, header_style="bold")
     t.add_column("what")
@@ -310,14 +320,14 @@ def plan(
         t.add_row("note", n)
     for w in p.warnings:
         t.add_row("WARNING", w)
-    Console().print(t)
+    _console().print(t)
     for w in p.warnings:
         console.print(f"warning: {w}", style="bold yellow", markup=False, highlight=False)
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:
     """The end-of-run table: data, training, acceptance, and where the drafter is. ``s``: stage -> its summary."""
-    out = Console()
+    out = _console()
     t = Table(title=f"Eyas run summary: {ctx.run.root}", show_header=True, header_style="bold")
     t.add_column("what")
     t.add_column("value", overflow="fold")
