@@ -6,6 +6,8 @@
 #   device:  bench/step_vs_reference.sh gpu      (carry: .ref; results and the table in $OUT)
 #            bench/step_vs_reference.sh gpu-fp8  Eyas's step with train.fp8 (tensorwise, rowwise): carry .whl with
 #                                                torchao's wheel, installed to /root/site (PYTHONPATH)
+#            bench/step_vs_reference.sh gpu-8k   the 8K line in one call (carry .ref and .whl): the reference, Eyas
+#                                                bf16, Eyas with train.fp8 tensorwise + train.fp8_lm_head, at 8,192
 #            bench/step_vs_reference.sh gpu-batch  2,048-token samples, batch raised on both sides (REF_BATCHES,
 #                                                EYAS_BATCHES): the equal-memory table and its line
 #            (each part writes its JSON under $OUT; the report joins the parts present there)
@@ -15,7 +17,7 @@
 # Each trainer runs in its own process (no memory left over from the other); the reference first at each shape.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mode=${1:?mode: ref, gpu, gpu-fp8, gpu-batch, cpu or report DIR}
+mode=${1:?mode: ref, gpu, gpu-8k, gpu-fp8, gpu-batch, cpu or report DIR}
 PY=${PYTHON:-python3}
 if [ "$mode" = ref ]; then
   GITDIR=${2:?a git directory of SpecForge}
@@ -44,6 +46,13 @@ elif [ "$mode" = gpu-fp8 ]; then   # issue 20: fp8 rows beside the bf16 ones (tr
     $COMMON --budget-s 300 --out "$O/eyas_llama_fp8.json"
   $PY bench/train_step.py --shape kimi-k2 --seq 2048 --attention flex --compile layer --fp8 tensorwise rowwise \
     $COMMON --out "$O/eyas_kimi_fp8.json"
+elif [ "$mode" = gpu-8k ]; then   # issue 20's 8K line measured side by side (the 2026-12-04 row was not)
+  COMMON="--iters ${ITERS:-5} --warmup 2"
+  $PY bench/reference_step.py --shape llama31-8b --seq 8192 $COMMON --out "$O/ref_llama.json"
+  $PY bench/train_step.py --shape llama31-8b --seq 8192 --attention flex --compile layer $COMMON \
+    --out "$O/eyas_llama.json"
+  $PY bench/train_step.py --shape llama31-8b --seq 8192 --attention flex --compile layer --fp8 tensorwise \
+    --fp8-lm-head on $COMMON --out "$O/eyas_llama_fp8.json"
 elif [ "$mode" = gpu-batch ]; then   # issue 20: 2,048-token samples, each trainer's batch raised (equal memory)
   COMMON="--iters ${ITERS:-5} --warmup 2"
   $PY bench/reference_step.py --shape llama31-8b kimi-k2 --seq 2048 --batch ${REF_BATCHES:-2 4 8} $COMMON \
