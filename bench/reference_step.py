@@ -211,9 +211,10 @@ def report(eyas_path: Path, ref_path: Path) -> list[str]:
 
     One sequence a step (batch 1): rows match on (shape, seq); Eyas's bf16 row is its fastest error-free
     configuration with ``fp8`` and ``fp8_lm_head`` off there, its fp8 row the fastest with either on (when
-    measured), and the issue's ``train-step ratio`` lines take the faster of the two. At equal memory (rows with several batch sizes at 2,048
-    tokens): the reference's fastest batch that ran sets the memory, Eyas's fastest configuration within that peak
-    memory is set against it. Returns the printed lines. Raises ``ValueError`` when no row pairs up."""
+    measured), and the issue's ``train-step ratio`` lines take the faster of the two. At equal memory (rows with
+    several batch sizes at 2,048 tokens): the reference's fastest batch that ran sets the memory, Eyas's fastest
+    configuration within that peak memory is set against it. Returns the printed lines. Raises ``ValueError``
+    when no row pairs up."""
     eyas = [r for r in json.loads(eyas_path.read_text())["rows"] if "error" not in r]
     ref = [r for r in json.loads(ref_path.read_text())["rows"] if "error" not in r]
     nan = float("nan")

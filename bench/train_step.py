@@ -182,7 +182,8 @@ def measure(cfg: Eagle3Config, T: int, K: int, device: torch.device, attention: 
         raise RuntimeError(f"non-finite loss {float(loss)} / grad norm {float(gn)}")
     med = times[len(times) // 2]
     dense, attn = flops_per_token(cfg, T, K)
-    out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "layers": cfg.num_hidden_layers, "attention": attention,
+    out = {"shape": shape_name, "seq": T, "batch": batch, "ttt_steps": K, "layers": cfg.num_hidden_layers,
+           "attention": attention,
            "compile_layer": compile_layer, "fp8": conv.recipe, **({"fp8_fallback": conv.fallback} if conv.fallback
                                                                   else {}),
            "fp8_lm_head": head_fp8,
@@ -265,8 +266,7 @@ def main() -> None:
                             fp8_lm_head=head8)
             except Exception as e:  # an OOM or a compile failure is a result too
                 r = {"shape": shape, "seq": T, "batch": bsz, "layers": layers, "fp8": f8, "fp8_lm_head": head8,
-                     "attention": attention,
-                     "compile_layer": comp,
+                     "attention": attention, "compile_layer": comp,
                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -276,16 +276,17 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             if args.out:
                 args.out.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    print("\nattention compile fp8        head8 params   seq batch layers  step_ms  tokens/s  TFLOP/s  MFU(790)  peak_GB")
+    print("\nattention compile fp8        head8 params   seq batch layers  step_ms  tokens/s  TFLOP/s  MFU(790)  "
+          "peak_GB")
     for r in rows:
         if "error" in r:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {r['seq']:6} {r['batch']:3} "
-                  f"{r.get('layers', 1):2}  ERROR "
+                  f"{r['layers']:2}  ERROR "
                   f"{r['error'][:80]}")
         else:
             print(f"{r['attention']:9} {str(r['compile_layer']):7} {r['fp8']:10} {str(r.get('fp8_lm_head', False)):5} "
                   f"{r['param_dtype']:6} {r['seq']:6} "
-                  f"{r['batch']:5} {r.get('layers', 1):6} "
+                  f"{r['batch']:5} {r['layers']:6} "
                   f"{r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} {r['tflops_per_s']:8.1f} {r['mfu_vs_790']:9.3f} "
                   f"{r.get('peak_gb', float('nan')):8.2f}")
 

@@ -43,6 +43,12 @@ def _console(stderr: bool = False) -> Console:
 
 console = _console(stderr=True)
 
+
+def _log(message: str) -> None:
+    """A stage's or command's progress line, on stderr."""
+    console.print(message, highlight=False)
+
+
 CONFIG_HELP = "Run config: a YAML file, or 'demo' for the embedded demo."
 OVERRIDES_HELP = "Overrides of single fields, as key.sub=value (value parsed as YAML)."
 
@@ -51,8 +57,7 @@ def _ctx(config: str, overrides: list[str] | None, force: bool, redo: frozenset[
     cfg = load_config(config, overrides)
     # the run folder is described (run.json, config.yaml, environment.json) when a stage starts: a refused command
     # writes nothing
-    return RunContext(cfg=cfg, force=force, redo=redo, argv=list(sys.argv),
-                      log=lambda m: console.print(m, markup=False, highlight=False))
+    return RunContext(cfg=cfg, force=force, redo=redo, argv=list(sys.argv), log=_log)
 
 
 def _writing(ctx: RunContext):
@@ -138,11 +143,11 @@ def _export_command():
         except (EyasError, OSError) as e:
             _fail(e)
         asked = engine or rep.engines
-        _console().print(rep.to_text(), markup=False, highlight=False)
+        _console().print(rep.to_text(), highlight=False)
         ok = rep.ok_for(asked)
         _console().print(f"{'OK' if ok else 'FAIL'} for {asked if asked != 'both' else 'SGLang and vLLM'}"
-                        + ("" if engine else " (the engines this layout is for; --engine to choose)"),
-                        markup=False, highlight=False)
+                         + ("" if engine else " (the engines this layout is for; --engine to choose)"),
+                         highlight=False)
         raise typer.Exit(code=0 if ok else 1)
 
     command.__doc__ = ("Run only the 'export' stage (export.formats: sglang, vllm), or --check DIR: what SGLang and "
@@ -186,7 +191,7 @@ def report(
         page = write_report(Path(run_dir), Path(out) if out else None)
     except EyasError as e:
         _fail(e)
-    console.print(f"[eyas] report: {page}", markup=False, highlight=False)
+    _log(f"[eyas] report: {page}")
 
 
 @app.command()
@@ -235,16 +240,15 @@ def doctor(
     from .store.doctor import diagnose, locate
     from .store.doctor import repair as repair_store
 
-    log = lambda m: console.print(m, markup=False, highlight=False)  # noqa: E731
     try:
         run_dir = locate(path)[0] if repair else None
         # --repair writes the store: it is the run's one writer, from the diagnosis it repairs from to the end
-        with hold_run_folder(RunFolder(run_dir), list(sys.argv), log) if run_dir is not None else nullcontext():
+        with hold_run_folder(RunFolder(run_dir), list(sys.argv), _log) if run_dir is not None else nullcontext():
             report = diagnose(path)
             _print_doctor(report, as_json)
             if repair and not report.clean:
-                report = repair_store(report, log=log)
-                log("[eyas] doctor: after repair")
+                report = repair_store(report, log=_log)
+                _log("[eyas] doctor: after repair")
                 _print_doctor(report, as_json)
     except EyasError as e:
         _fail(e)
@@ -322,7 +326,7 @@ def plan(
         t.add_row("WARNING", w)
     _console().print(t)
     for w in p.warnings:
-        console.print(f"warning: {w}", style="bold yellow", markup=False, highlight=False)
+        console.print(f"warning: {w}", style="bold yellow", highlight=False)
 
 
 def print_summary(ctx: RunContext, s: dict) -> None:
