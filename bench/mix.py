@@ -6,8 +6,9 @@ Arms (``ARMS``; every arm decontaminated against the three evaluation sets and n
     b     all fourteen files of ../shared/data/train, GSM8K capped at 2,500 conversations
     c10   b plus 10,000 prompts SmolLM2 wrote itself (Magpie, ``prepare.self_prompts``)
     c30   b plus 30,000 of them
-    d     all fourteen files with GSM8K uncapped, every prompt of ``--self-prompts-file`` and ``--more-self-prompts``
-          new ones (sampled with ``--self-prompt-seed``; near-duplicates across the two removed by prepare)
+    d     all fourteen files with GSM8K uncapped, every prompt of ``--self-prompts-file``, and the new ones kept
+          whole: ``--more-self-prompts-file``'s and/or ``--more-self-prompts`` sampled in this run (with
+          ``--self-prompt-seed``; near-duplicates across all of them removed by prepare)
 
 Phases of ``all`` (one process on the device, started with setsid so that it outlives each device call; ``wait``
 calls watch it; every stage is Eyas's own, ``python -m eyas.cli STAGE CONFIG``):
@@ -82,11 +83,12 @@ def source(name: str, **extra) -> dict:
     return s
 
 
-def arms(self_file: str, max_rows: int | None, more_file: str | None = None,
+def arms(self_file: str, max_rows: int | None, more_files: list[str] = (),
          weight: float | None = None) -> dict[str, list[dict]]:
-    """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_file``: arm d's newly
-    sampled self-prompts; ``weight``: every source but those keeps that seeded share of its conversations (the
-    same mix, smaller, beside all of the new prompts: a run that must fit one device call)."""
+    """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_files``: arm d's newly
+    sampled self-prompts (an earlier run's file, this run's sampling, or both); ``weight``: every source but those
+    keeps that seeded share of its conversations (the same mix, smaller, beside all of the new prompts: a run that
+    must fit one device call)."""
     rows = {"max_rows": max_rows} if max_rows else {}
     lim = rows | ({"weight": weight} if weight else {})
     five = [source(n, **lim) for n in FIVE]
@@ -96,7 +98,7 @@ def arms(self_file: str, max_rows: int | None, more_file: str | None = None,
             "c10": capped + [{"path": self_file, "format": "prompts", "max_conversations": 10000}],
             "c30": capped + [{"path": self_file, "format": "prompts", "max_conversations": 30000}],
             "d": [source(n, **lim) for n in FIVE + NINE] + [{"path": self_file, "format": "prompts", **lim}]
-            + ([{"path": more_file, "format": "prompts", **rows}] if more_file else [])}
+            + [{"path": f, "format": "prompts", **rows} for f in more_files]}
 
 
 def data_arm(name: str) -> str:
@@ -279,12 +281,14 @@ def cmd_all(args) -> None:
     if any(data_arm(a).startswith("c") for a in chosen) and not args.self_prompts_file:
         _self_prompts(runs, args, self_file, results, args.self_prompts, "self_prompts")
         save()
-    more_file = args.more_self_prompts_file   # new prompts sampled by an earlier run (kept whole, as sampled ones)
-    if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts and not more_file:
-        more_file = str(runs / "self_prompts_more.jsonl")
-        _self_prompts(runs, args, more_file, results, args.more_self_prompts, "more_self_prompts")
-        save()
-    _run_arms(runs, args, self_file, results, save, chosen, full, more_file)
+    # arm d's new prompts, kept whole: an earlier run's (--more-self-prompts-file) and/or sampled in this run
+    more_files = [args.more_self_prompts_file] if args.more_self_prompts_file else []
+    if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts:
+        more_files.append(str(runs / "self_prompts_more.jsonl"))
+        if not Path(more_files[-1]).exists():   # a `--stop-after data` call sampled them already
+            _self_prompts(runs, args, more_files[-1], results, args.more_self_prompts, "more_self_prompts")
+            save()
+    _run_arms(runs, args, self_file, results, save, chosen, full, more_files)
 
 
 def _self_prompts(runs: Path, args, self_file: str, results: dict, count: int, key: str) -> None:
@@ -309,9 +313,9 @@ def _self_prompts(runs: Path, args, self_file: str, results: dict, count: int, k
 
 
 def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: list[str], full: str,
-              more_file: str | None) -> None:
+              more_files: list[str]) -> None:
     # 2. the arms' prepare (CPU, parallel) while the probe replies are generated (GPU)
-    every = arms(self_file, args.max_rows, more_file, args.weight)
+    every = arms(self_file, args.max_rows, more_files, args.weight)
     srcs = {name: every[data_arm(name)] for name in chosen}   # each arm's prepare.sources
     cfgs = {name: write_config(runs, name, {"prepare.sources": srcs[name], "generate.reuse_from": args.reuse_from},
                                args.set)
@@ -585,7 +589,8 @@ def main() -> None:
                     help="the c arms' self-prompts from this prompts file (JSONL of strings, compressed or not) "
                          "instead of writing them (e.g. bench/results/mix/warm/self_prompts.jsonl.xz)")
     ap.add_argument("--more-self-prompts", type=int, default=0,
-                    help="arm d: this many new self-prompts asked beside --self-prompts-file's")
+                    help="arm d: this many new self-prompts asked beside --self-prompts-file's (and beside "
+                         "--more-self-prompts-file's, when both are given)")
     ap.add_argument("--more-self-prompts-file", default=None,
                     help="arm d: the new prompts from this prompts file instead of sampling them (an earlier run's, "
                          "e.g. the steered set of bench/results/mix/steered/); kept whole under --weight")
