@@ -414,6 +414,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
                 continue
             if time.time() - T0 > args.deadline_s and p.poll() is None and name not in asked_to_stop:
                 log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
+                (runs / name / "train").mkdir(parents=True, exist_ok=True)
                 (runs / name / "train" / "STOP").touch()
                 asked_to_stop.add(name)
             ck = [c for c in checkpoints(runs / name) if step_of(c) >= args.probe_step]
@@ -476,6 +477,7 @@ def _all_to_end(runs: Path, args, results: dict, save, cfgs: dict, procs: dict) 
             for name, p in procs.items():
                 if p.poll() is None and name not in asked:
                     log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
+                    (runs / name / "train").mkdir(parents=True, exist_ok=True)
                     (runs / name / "train" / "STOP").touch()
                     asked.add(name)
         time.sleep(5)

@@ -11,7 +11,9 @@ writes. Writes ``train/checkpoints/step-*/``, ``train/metrics.jsonl``, ``train/t
 
 ``touch RUN/train/STOP`` ends training early but cleanly: after the step in progress it checkpoints and writes
 ``train/final`` as at the end of the schedule (the learning rate has not decayed then; the summary says
-``stopped_on_request``). The file is removed when training starts.
+``stopped_on_request``). A STOP already there when the stage starts is a request too (one made while the target
+loaded, or before a resume): it is honoured after the first step, and said so. The file is removed once a run has
+stopped on it, so that the next start trains on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..data.vocab import load_vocab
+from ..distributed import process_rank
 from ..drafter import DrafterConfig, DrafterWeights, load_drafter, write_drafter
 from ..errors import EyasError, StoreError
 from ..families import text_config
@@ -121,7 +124,9 @@ def run(ctx: RunContext) -> TrainSummary:
     ctx.log(f"[eyas] train ({cfg.mode}): {len(train_set)} samples ({len(held_idx)} held out), draft "
             f"{n_params / 1e6:.1f}M trainable parameters, TTT {cfg.ttt_steps} steps, device {device}")
     stop_file = ctx.run.train_stop
-    stop_file.unlink(missing_ok=True)
+    if stop_file.exists():   # never removed here: a request made while this stage loaded would be lost
+        ctx.log(f"[eyas] train: {stop_file} is there (a stop asked for before training started): training stops "
+                f"after its next step and writes its drafter; remove the file to train on")
     result = train(model, train_set, lm_head, cfg, out, device, ctx.fingerprint, log=ctx.log,
                    states=states, held_out=held_out, should_stop=lambda step: stop_file.exists())
     import torch.distributed as tdist
@@ -133,6 +138,8 @@ def run(ctx: RunContext) -> TrainSummary:
         box = [summary]
         tdist.broadcast_object_list(box, src=0)
         summary = box[0]
+    if summary is not None and summary.stopped_on_request and process_rank() == 0:
+        stop_file.unlink(missing_ok=True)   # honoured: the next start (a resume, a longer schedule) trains on
     return summary
 
 
