@@ -282,7 +282,7 @@ def cmd_all(args) -> None:
         _self_prompts(runs, args, self_file, results, args.self_prompts, "self_prompts")
         save()
     # arm d's new prompts, kept whole: an earlier run's (--more-self-prompts-file) and/or sampled in this run
-    more_files = [args.more_self_prompts_file] if args.more_self_prompts_file else []
+    more_files = list(args.more_self_prompts_file)
     if "d" in {data_arm(n) for n in chosen} and args.more_self_prompts:
         more_files.append(str(runs / "self_prompts_more.jsonl"))
         if not Path(more_files[-1]).exists():   # a `--stop-after data` call sampled them already
@@ -593,9 +593,10 @@ def main() -> None:
     ap.add_argument("--more-self-prompts", type=int, default=0,
                     help="arm d: this many new self-prompts asked beside --self-prompts-file's (and beside "
                          "--more-self-prompts-file's, when both are given)")
-    ap.add_argument("--more-self-prompts-file", default=None,
-                    help="arm d: the new prompts from this prompts file instead of sampling them (an earlier run's, "
-                         "e.g. the steered set of bench/results/mix/steered/); kept whole under --weight")
+    ap.add_argument("--more-self-prompts-file", action="append", default=[],
+                    help="arm d: new prompts from this prompts file instead of sampling them (an earlier run's, "
+                         "e.g. the steered set of bench/results/mix/steered/); kept whole under --weight; "
+                         "repeatable")
     ap.add_argument("--self-prompt-seed", type=int, default=0, help="prepare.self_prompts.seed of the sampling")
     ap.add_argument("--self-prompt-systems", default=None,
                     help="prepare.self_prompts.system_prompts from this JSON file (a list of system messages, null "

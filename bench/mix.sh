@@ -116,6 +116,9 @@ case $step in
     # --more-self-prompts-file /root/mix/self_prompts_steered.jsonl.xz (with --weight 0.2 it asks exactly that run's
     # conversations, so a call carrying .gpu/prev from its pack (`s`) reuses every reply)
     cp bench/results/mix/steered/self_prompts_steered.jsonl.xz /root/mix/
+    # the fourteenth session's 26,155 steered to MT-bench's open kinds (bench/self_prompt_systems_open.json, seed 11):
+    # --more-self-prompts-file /root/mix/self_prompts_open.jsonl.xz (a second --more-self-prompts-file beside the above)
+    cp bench/results/mix/open/self_prompts_open.jsonl.xz /root/mix/
     : > /root/mix/all.out
     launch_all "${@:2}" ;;
   one)
