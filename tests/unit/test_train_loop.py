@@ -195,6 +195,41 @@ def test_two_processes_equal_one(tmp_path, strategy):
     assert s1["micro"] == s2["micro"] == 2 and s2["world"] == 2
 
 
+def _worker_stop(rank: int, world: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    m, head = toy_model()
+    cfg = toy_cfg(batch_size=2, epochs=3, distributed="fsdp", checkpoint_every=100)
+    # only process 0 sees the request, as when RUN/train/STOP appears between the processes' checks
+    res = train(m, ToySet(5, seed=6), head, cfg, Path(out), torch.device("cpu"), {}, log=lambda s: None,
+                should_stop=lambda step: rank == 0 and step == 2)
+    Path(out, f"steps.{rank}").write_text(str(res.steps))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_a_stop_seen_by_one_process_stops_every_process_after_the_same_step(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_worker_stop, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="fork")
+    try:   # before the stop was shared, process 1 went on to step 3 alone and the two hung in their collectives
+        for _ in range(240):
+            if ctx.join(timeout=0.5):
+                break
+        else:
+            pytest.fail("the two processes did not end within 120 s (one stopped, the other went on)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert [(tmp_path / f"steps.{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    assert [s for s, _ in _losses(tmp_path)] == [1, 2]
+    assert (tmp_path / "checkpoints" / "step-00000002").exists()
+
+
 def test_token_budget_and_accumulation_cover_every_token(tmp_path):
     data = ToySet(9, seed=8)
     m, head = toy_model()

@@ -97,17 +97,20 @@ class StepSums:
                                    + [m[f"loss_{k}"].double() for k in range(K)]
                                    + [m[f"hits_{k}"].double() for k in range(K)] + list(counts.double()))
 
-    def to_host(self, dist: Dist, grad_norm: torch.Tensor) -> dict:
-        """Sum the loss terms over processes (counts are global already), then one transfer. Returns
-        ``{loss, micro, tokens, loss_k, hits_k, count_k, grad_norm}`` (per-process means where it applies)."""
+    def to_host(self, dist: Dist, grad_norm: torch.Tensor, stop_asked: bool = False) -> dict:
+        """Sum the loss terms over processes (counts are global already) and whether any process was asked to stop,
+        then one transfer. Returns ``{loss, micro, tokens, loss_k, hits_k, count_k, grad_norm, stop}`` (per-process
+        means where it applies; ``stop`` the same on every process, so that all of them stop after the same step
+        even when a STOP file appears between their checks)."""
         K = self.K
         self.t[-1] = grad_norm.double()
-        self.t[:3 + 2 * K] = dist.all_reduce(self.t[:3 + 2 * K].clone())
-        v = self.t.tolist()
+        summed = dist.all_reduce(torch.cat([self.t[:3 + 2 * K], self.t.new_tensor([float(stop_asked)])]))
+        self.t[:3 + 2 * K] = summed[:-1]
+        v = torch.cat([self.t, summed[-1:]]).tolist()
         n_micro = max(v[1] / dist.world, 1)
         return {"loss": v[0] / n_micro, "tokens": int(v[2]),
                 "loss_k": [x / n_micro for x in v[3: 3 + K]], "hits_k": v[3 + K: 3 + 2 * K],
-                "count_k": [int(x) for x in v[3 + 2 * K: 3 + 3 * K]], "grad_norm": v[-1]}
+                "count_k": [int(x) for x in v[3 + 2 * K: 3 + 3 * K]], "grad_norm": v[-2], "stop": v[-1] > 0}
 
 
 class DeviceBatches:
@@ -224,8 +227,8 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
         states: fills ``aux``/``last`` of a device batch: :func:`stored_states` (offline) or the target run on the
             batch (online, :class:`eyas.train.online.OnlineStates`).
         held_out: a dataset like ``dataset`` evaluated every ``cfg.eval_every`` steps (no gradient).
-        should_stop: called after each optimizer step with the step number; True checkpoints and returns (tests,
-            schedulers that pre-empt).
+        should_stop: called once a step, with the number the step gets, before its update; True on any process
+            checkpoints after that step and returns on every process (tests, schedulers that pre-empt, RUN/train/STOP).
     Raises:
         EyasError: when the loss or gradient norm is not finite (naming the step and sample ids), or when a
             checkpoint in ``out_dir`` was made with another configuration.
@@ -298,7 +301,8 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
             micro += 1
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        v = sums.to_host(dist, grad_norm)                                           # the step's one host sync
+        asked = should_stop is not None and should_stop(step + 1)                  # asked after this step
+        v = sums.to_host(dist, grad_norm, asked)                                    # the step's one host sync
         if not (math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])):
             raise EyasError(f"train: non-finite loss ({v['loss']}) or gradient norm ({v['grad_norm']}) at step "
                             f"{step + 1}; samples in this step: {', '.join(batch_ids)}")
@@ -327,7 +331,7 @@ def train(model: Eagle3DraftModel, dataset, lm_head: torch.Tensor, cfg: TrainCon
         if step % cfg.log_every == 0 or step == total_steps:
             accs = " ".join(f"{a:.2f}" for a in metrics.acc_k)
             bar.set_postfix_str(f"loss {metrics.loss:.3f} acc {accs} {metrics.recent_tokens_per_s:.0f} tok/s")
-        stop = stopped_early or (should_stop is not None and should_stop(step))
+        stop = stopped_early or v["stop"]
         if step % cfg.checkpoint_every == 0 or step == total_steps or stop:
             _checkpoint(ckpt_dir, step, micro, total_steps, fingerprint, metrics.to_json(), step_module, opt, dist,
                         trainable_keys, cfg.keep_last, writers)
