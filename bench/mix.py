@@ -49,6 +49,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -83,7 +84,7 @@ def source(name: str, **extra) -> dict:
     return s
 
 
-def arms(self_file: str, max_rows: int | None, more_files: list[str] = (),
+def arms(self_file: str, max_rows: int | None, more_files: Sequence[str] = (),
          weight: float | None = None) -> dict[str, list[dict]]:
     """prepare.sources of each arm; ``max_rows`` shrinks every file (the CPU check); ``more_files``: arm d's newly
     sampled self-prompts (an earlier run's file, this run's sampling, or both); ``weight``: every source but those
