@@ -196,8 +196,7 @@ def test_torchrun_two_processes_equal_one(runs):
     cfg = _copy_run(root, "ddp")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(random.randint(20000, 40000)), "-m", "eyas.cli", "extract",
-                           str(cfg)], capture_output=True, text=True, env=env, timeout=600)
+                           "-m", "eyas.cli", "extract", str(cfg)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     mdir = root / "ddp" / "extract" / "store" / "manifest"
     assert sorted(p.name for p in mdir.iterdir()) == ["rank-000.jsonl", "rank-001.jsonl"]

@@ -12,7 +12,6 @@ long as the test needs, whatever this machine's speed."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -106,8 +105,8 @@ def test_a_second_command_is_refused_naming_the_holder_and_kill_9_frees_the_run(
 
 
 def _torchrun(stage: str, cfg: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(random.randint(20000, 40000)), "-m", "eyas.cli", stage, str(cfg)],
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "eyas.cli",
+                           stage, str(cfg)],
                           capture_output=True, text=True, env=ENV, timeout=900)
 
 

@@ -6,7 +6,6 @@ measurement (issue 15, ``bench/two_gpu.sh``) runs the same commands with NCCL.""
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +55,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "two_gpu.py"
 
 def _torchrun_cmd(stage: str, cfg: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", str(random.randint(20000, 40000)), "-m", "eyas.cli", stage, str(cfg)]
+            "-m", "eyas.cli", stage, str(cfg)]
 
 
 def _torchrun(stage: str, cfg: Path) -> subprocess.Popen:
