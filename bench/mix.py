@@ -102,6 +102,14 @@ def arms(self_file: str, max_rows: int | None, more_files: Sequence[str] = (),
             + [{"path": f, "format": "prompts", **rows} for f in more_files]}
 
 
+def ask_to_stop(runs: Path, arm: str) -> None:
+    """The deadline: ``arm``'s train stage is asked to stop (``train/STOP``, honoured even while the stage still
+    loads); it checkpoints and writes its drafter."""
+    log(runs, f"deadline: asking {arm} to stop (train/STOP): it checkpoints and writes its drafter")
+    (runs / arm / "train").mkdir(parents=True, exist_ok=True)
+    (runs / arm / "train" / "STOP").touch()
+
+
 def data_arm(name: str) -> str:
     """The arm whose data ``name`` trains on (itself, or a ``--variant``'s base)."""
     return VARIANTS[name][0] if name in VARIANTS else name
@@ -414,9 +422,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
             if name in probes:
                 continue
             if time.time() - T0 > args.deadline_s and p.poll() is None and name not in asked_to_stop:
-                log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
-                (runs / name / "train").mkdir(parents=True, exist_ok=True)
-                (runs / name / "train" / "STOP").touch()
+                ask_to_stop(runs, name)
                 asked_to_stop.add(name)
             ck = [c for c in checkpoints(runs / name) if step_of(c) >= args.probe_step]
             if ck or p.poll() is not None:
@@ -444,8 +450,7 @@ def _run_arms(runs: Path, args, self_file: str, results: dict, save, chosen: lis
     p = procs[best]
     while p.poll() is None:
         if time.time() - T0 > args.deadline_s:
-            log(runs, f"deadline: asking {best} to stop (train/STOP): it checkpoints and writes its drafter")
-            (runs / best / "train" / "STOP").touch()
+            ask_to_stop(runs, best)
             p.wait()
             break
         time.sleep(5)
@@ -477,9 +482,7 @@ def _all_to_end(runs: Path, args, results: dict, save, cfgs: dict, procs: dict) 
         if time.time() - T0 > args.deadline_s:
             for name, p in procs.items():
                 if p.poll() is None and name not in asked:
-                    log(runs, f"deadline: asking {name} to stop (train/STOP): it checkpoints and writes its drafter")
-                    (runs / name / "train").mkdir(parents=True, exist_ok=True)
-                    (runs / name / "train" / "STOP").touch()
+                    ask_to_stop(runs, name)
                     asked.add(name)
         time.sleep(5)
     failed = {n: p.returncode for n, p in procs.items() if p.returncode != 0}

@@ -181,3 +181,30 @@ def stories_extract_config(tmp_path, stories_dir, shared, *, rows: int, **extrac
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
+
+
+def stories_train_run(tmp_path, shared, *, rows: int, **train):
+    """A CPU run of the stories260K llama2.c checkpoint trained online on the first ``rows`` rows of the real GSM8K
+    file (no generation, samples cut at 96 tokens, a 64-id draft vocabulary, aux layers [1, 2, 3], TTT 2);
+    ``train``: more train settings. Runs prepare to vocab; returns ``(ctx, logs)``, the run context (its log
+    appends to ``logs``) for the test to run ``train`` on."""
+    import yaml
+
+    from eyas.config import load_config
+    from eyas.stages import RunContext, init_run_dir, run_stage
+
+    stories = shared / "models" / "stories260K"
+    cfg = {"run_dir": str(tmp_path / "run"),
+           "target": {"model": str(stories / "stories260K.bin"), "tokenizer": str(stories / "tok512.bin")},
+           "prepare": {"sources": [{"path": str(shared / "data" / "train" / "gsm8k_train.jsonl"), "max_rows": rows}]},
+           "generate": {"enabled": False}, "tokenize": {"max_length": 96}, "vocab": {"draft_vocab_size": 64},
+           "extract": {"layer_ids": [1, 2, 3]},
+           "train": {"mode": "online", "ttt_steps": 2, **train}}
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    logs: list[str] = []
+    ctx = RunContext(cfg=load_config(p), log=logs.append)
+    init_run_dir(ctx, ["test"])
+    for stage in ("prepare", "generate", "tokenize", "vocab"):
+        run_stage(ctx, stage)
+    return ctx, logs

@@ -9,28 +9,14 @@ has been honoured, so that the next start trains on.
 from __future__ import annotations
 
 import pytest
-import yaml
+from tiny import stories_train_run
 
-from eyas.config import load_config
-from eyas.stages import RunContext, init_run_dir, run_stage
+from eyas.stages import run_stage
 
 
 @pytest.mark.e2e
 def test_a_stop_made_before_the_first_step_ends_training_after_it(tmp_path, shared):
-    stories = shared / "models" / "stories260K"
-    cfg = {"run_dir": str(tmp_path / "run"),
-           "target": {"model": str(stories / "stories260K.bin"), "tokenizer": str(stories / "tok512.bin")},
-           "prepare": {"sources": [{"path": str(shared / "data" / "train" / "gsm8k_train.jsonl"), "max_rows": 12}]},
-           "generate": {"enabled": False}, "tokenize": {"max_length": 96}, "vocab": {"draft_vocab_size": 64},
-           "extract": {"layer_ids": [1, 2, 3]},
-           "train": {"mode": "online", "ttt_steps": 2, "epochs": 2, "batch_size": 2, "eval_samples": 1}}
-    p = tmp_path / "run.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    logs: list[str] = []
-    ctx = RunContext(cfg=load_config(p), log=logs.append)
-    init_run_dir(ctx, ["test"])
-    for stage in ("prepare", "generate", "tokenize", "vocab"):
-        run_stage(ctx, stage)
+    ctx, logs = stories_train_run(tmp_path, shared, rows=12, epochs=2, batch_size=2, eval_samples=1)
     stop = ctx.run.train_stop
     stop.parent.mkdir(parents=True, exist_ok=True)
     stop.touch()   # as bench/mix.py's deadline does while the stage is still loading

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_train_loop import ToySet, _losses, toy_cfg, toy_model  # tests/unit is on sys.path (pytest rootdir mode)
-from tiny import draft_config, set_vocab, tiny_draft
+from tiny import draft_config, set_vocab, stories_train_run, tiny_draft
 
 from eyas.config import TrainConfig, load_config
 from eyas.errors import ConfigError
@@ -217,24 +217,10 @@ def test_an_fp8_run_through_the_loop_checkpoints_plain_weights_and_resumes(tmp_p
 @pytest.mark.e2e
 def test_train_stage_records_the_fallback_in_done_json(tmp_path, shared):
     """stories260K, online, on the CPU with train.fp8=tensorwise: the stage says so and done.json records it."""
-    import yaml
+    from eyas.stages import run_stage
 
-    from eyas.stages import RunContext, init_run_dir, run_stage
-
-    stories = shared / "models" / "stories260K"
-    cfg = {"run_dir": str(tmp_path / "run"),
-           "target": {"model": str(stories / "stories260K.bin"), "tokenizer": str(stories / "tok512.bin")},
-           "prepare": {"sources": [{"path": str(shared / "data" / "train" / "gsm8k_train.jsonl"), "max_rows": 6}]},
-           "generate": {"enabled": False}, "tokenize": {"max_length": 96}, "vocab": {"draft_vocab_size": 64},
-           "extract": {"layer_ids": [1, 2, 3]},
-           "train": {"mode": "online", "fp8": "tensorwise", "ttt_steps": 2, "epochs": 1, "batch_size": 3}}
-    p = tmp_path / "run.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    logs: list[str] = []
-    ctx = RunContext(cfg=load_config(p), log=logs.append)
-    init_run_dir(ctx, ["test"])
-    for stage in ("prepare", "generate", "tokenize", "vocab", "train"):
-        summary = run_stage(ctx, stage)
+    ctx, logs = stories_train_run(tmp_path, shared, rows=6, fp8="tensorwise", epochs=1, batch_size=3)
+    summary = run_stage(ctx, "train")
     assert FALLBACK in logs
     assert summary.fp8 == "off" and summary.fp8_fallback == "this run is on cpu"
     done = json.loads(ctx.run.done("train").read_text())["summary"]

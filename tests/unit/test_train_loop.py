@@ -148,10 +148,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, out: str):
+def _join(rank: int, world: int, port: int) -> None:
+    """This forked child as process ``rank`` of ``world`` (the environment torchrun would set), one thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, strategy: str, out: str):
+    _join(rank, world, port)
     data = ToySet(5, seed=6)
     m, head = toy_model()
     cfg = toy_cfg(batch_size=4 // world, distributed=strategy, checkpoint_every=1, eval_every=1)
@@ -196,9 +201,7 @@ def test_two_processes_equal_one(tmp_path, strategy):
 
 
 def _worker_stop(rank: int, world: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    _join(rank, world, port)
     m, head = toy_model()
     cfg = toy_cfg(batch_size=2, epochs=3, distributed="fsdp", checkpoint_every=100)
     # only process 0 sees the request, as when RUN/train/STOP appears between the processes' checks
